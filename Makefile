@@ -1,0 +1,40 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+# Both create .venv in the repository root. torch is pinned to the CPU build
+# that lies on disk (an unpinned torch downloads a multi-GB CUDA build).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: install demo test test-all bench lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml requirements-ci.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) torch==2.13.0
+	$(PIP) -r requirements-ci.txt
+	# DeepSpeed and bitsandbytes build against the torch above, not a fresh one.
+	$(PIP) --no-build-isolation deepspeed==0.19.8 bitsandbytes==0.50.2
+	$(PIP) --no-deps -e .
+	touch $@
+
+demo: install
+	$(VENV)/bin/oomless demo
+
+test: install
+	$(PY) -m pytest
+
+test-all: install
+	$(PY) -m pytest -m "not gpu"
+
+bench: install
+	$(PY) benchmarks/speed.py
+	$(PY) benchmarks/accuracy.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache
