@@ -1,0 +1,220 @@
+"""RunConfig: one fine-tuning run, as written in ``oomless.yaml``.
+
+The same file is read by ``oomless estimate FILE``, ``oomless check``,
+``oomless train`` and written by ``oomless plan``. Memory-relevant knobs are
+top-level keys (they map 1:1 to ``estimate``'s flags); the data and training
+loop live in their own sections. Every key is documented in docs/config.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import ConfigError
+
+Method = Literal["full", "lora", "qlora"]
+Precision = Literal["bf16", "fp16", "fp32", "pure-bf16"]
+Optimizer = Literal[
+    "adamw", "adamw-8bit", "paged-adamw", "paged-adamw-8bit", "sgd", "sgd-momentum", "adafactor"
+]
+Attention = Literal["eager", "sdpa", "flash"]
+Offload = Literal["none", "optimizer", "all"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class LoraConfig(_Section):
+    r: int = Field(16, ge=1, description="LoRA rank")
+    alpha: float = Field(32, description="LoRA alpha (scaling = alpha / r)")
+    dropout: float = Field(0.05, ge=0, lt=1)
+    targets: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names (q_proj, v_proj, ...) or 'all-linear'"
+    )
+
+
+class QuantConfig(_Section):
+    bits: Literal[4, 8] = 4
+    type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+
+
+class HardwareConfig(_Section):
+    gpu: str | None = Field(None, description="GPU name from `oomless gpus`")
+    gpus_per_node: int = Field(1, ge=1)
+    nodes: int = Field(1, ge=1)
+    host_ram_gb: float | None = Field(None, gt=0, description="host RAM per node, GB (offload)")
+
+
+class EvalConfig(_Section):
+    batch_size: int | None = Field(None, ge=1, description="default: micro_batch_size")
+    max_new_tokens: int = Field(0, ge=0, description="generation length when predicting")
+    predict_with_generate: bool = False
+    steps: int = Field(0, ge=0, description="evaluate every N optimizer steps (0: at the end)")
+
+
+class DataConfig(_Section):
+    train_file: str | None = None
+    eval_file: str | None = None
+    format: Literal["auto", "alpaca", "sharegpt", "messages"] = "auto"
+    max_input_length: int | None = Field(None, ge=1, description="prompt tokens kept")
+    max_output_length: int | None = Field(None, ge=1, description="response tokens kept")
+    packing: bool = False
+    on_bad_record: Literal["error", "skip"] = "error"
+    images_per_sample: int = Field(0, ge=0, description="vision-language: images per record")
+    image_tokens: int | None = Field(None, ge=1, description="override tokens per image")
+
+
+class TrainingConfig(_Section):
+    output_dir: str = "runs/oomless"
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1)
+    learning_rate: float = Field(2e-4, gt=0)
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0)
+    seed: int = 42
+    logging_steps: int = Field(1, ge=1)
+    save_steps: int = Field(0, ge=0, description="checkpoint every N steps (0: at the end)")
+    trust_remote_code: bool = False
+    auto_fit: bool = False
+    engine: Literal["auto", "deepspeed", "fsdp"] = "auto"
+
+
+class RunConfig(_Section):
+    """Everything that decides a fine-tune's memory, plus data and loop settings."""
+
+    model: str = Field(..., description="catalog name, HF id in the local cache, or a local path")
+    method: Method = "lora"
+    precision: Precision = "bf16"
+    quantization: QuantConfig = QuantConfig()
+    optimizer: Optimizer = "adamw"
+    lora: LoraConfig = LoraConfig()
+    micro_batch_size: int = Field(1, ge=1, description="per-GPU batch of one forward pass")
+    grad_accum: int = Field(1, ge=1, description="micro batches per optimizer step")
+    seq_len: int = Field(2048, ge=1, description="tokens per sample (padded or packed length)")
+    grad_ckpt: bool = False
+    attn: Attention = "sdpa"
+    zero: Literal[0, 1, 2, 3] = 0
+    offload: Offload = "none"
+    hardware: HardwareConfig = HardwareConfig()
+    eval: EvalConfig = EvalConfig()
+    data: DataConfig = DataConfig()
+    training: TrainingConfig = TrainingConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        if self.offload != "none" and self.zero == 0:
+            raise ValueError(
+                f"offload '{self.offload}' needs DeepSpeed ZeRO (zero: 1-3); "
+                "set zero: 3 (or 2 for optimizer offload)"
+            )
+        if self.offload == "all" and self.zero != 3:
+            raise ValueError("offload 'all' (parameters too) needs zero: 3; set zero: 3")
+        if self.method == "qlora" and self.zero == 3:
+            raise ValueError(
+                "QLoRA with ZeRO-3 is not modelled: 4-bit weights are not sharded by "
+                "our engines; use zero: 2 or method: lora"
+            )
+        if self.precision == "fp32" and self.method == "qlora":
+            raise ValueError("QLoRA computes in 16-bit; use precision bf16 or fp16")
+        return self
+
+    # ---- derived ---------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.hardware.gpus_per_node * self.hardware.nodes
+
+    @property
+    def effective_batch(self) -> int:
+        """Samples per optimizer step across all GPUs."""
+        return self.micro_batch_size * self.grad_accum * self.world_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.eval.batch_size or self.micro_batch_size
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A validated copy with top-level or dotted ("hardware.nodes") keys changed."""
+        data = self.model_dump()
+        for key, value in changes.items():
+            target = data
+            *parents, leaf = key.split(".")
+            for p in parents:
+                target = target[p]
+            target[leaf] = value
+        return RunConfig.model_validate(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def format_validation_error(err: ValidationError, source: str, lines: dict[str, int]) -> str:
+    """One line per problem: the key, the file line, what is wrong."""
+    parts = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        line = lines.get(key)
+        where = f"{source}:{line}" if line else source
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key; see docs/config.md for the keys oomless reads"
+        parts.append(f"{where}: '{key}': {msg}")
+    return "invalid run configuration:\n  " + "\n  ".join(parts)
+
+
+def build_run_config(data: dict[str, Any], source: str = "<options>",
+                     lines: dict[str, int] | None = None) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source, lines or {})) from None
+
+
+def _key_lines(node: Any, prefix: str = "") -> dict[str, int]:
+    """Map dotted keys of a composed YAML mapping to 1-based line numbers."""
+    import yaml
+
+    out: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = f"{prefix}{key_node.value}"
+            out[key] = key_node.start_mark.line + 1
+            out.update(_key_lines(value_node, key + "."))
+    return out
+
+
+def load_yaml_with_lines(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read '{path}': {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+        lines = _key_lines(yaml.compose(text))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"'{path}' is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{path}': expected a mapping of keys at the top level, got {type(data).__name__}")
+    return data, lines
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read an ``oomless.yaml``; errors name the key and its line."""
+    data, lines = load_yaml_with_lines(path)
+    return build_run_config(data, str(path), lines)
+
+
+def dump_run_config(cfg: RunConfig) -> str:
+    """YAML text of a config, without keys left at their defaults' sections empty."""
+    import yaml
+
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
