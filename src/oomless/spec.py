@@ -58,6 +58,9 @@ class VisionSpec:
     tokens_per_image: int
     param_count: int
     mlp_gated: bool = False
+    projector_params: int = 0  # the part of param_count that maps vision features into the LM
+    kind: str = "vit"  # clip, qwen2_5_vl, qwen2_vl, eva2clip (GLM-4V): which tower layout
+    dynamic_resolution: bool = False  # Qwen2-VL family: tokens grow with the image; image_size is a default
 
     @property
     def patches_per_image(self) -> int:
@@ -100,6 +103,9 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0  # total width of the shared expert MLP
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert
     num_dense_layers: int = 0  # leading layers with a dense MLP (DeepSeek first_k_dense_replace)
+    # explicit MoE layer indices when not "all layers after num_dense_layers"
+    # (Qwen2-MoE decoder_sparse_step/mlp_only_layers, MoE-LLaVA alternating layers); () = default
+    moe_layer_indices: tuple[int, ...] = ()
     vision: VisionSpec | None = None
     other_params: int = 0  # parameters outside the shapes above (learned positions, ...)
     dtype: str = "bfloat16"  # torch_dtype of the released weights
@@ -168,7 +174,19 @@ class ModelSpec:
 
     @property
     def num_moe_layers(self) -> int:
-        return self.num_layers - self.num_dense_layers if self.is_moe else 0
+        if not self.is_moe:
+            return 0
+        if self.moe_layer_indices:
+            return len(self.moe_layer_indices)
+        return self.num_layers - self.num_dense_layers
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer ``index`` (0-based) has a mixture-of-experts MLP."""
+        if not self.is_moe:
+            return False
+        if self.moe_layer_indices:
+            return index in self.moe_layer_indices
+        return index >= self.num_dense_layers
 
     # ---- parameter counts ----------------------------------------------
     @property
@@ -226,6 +244,7 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["aliases"] = list(self.aliases)
+        d["moe_layer_indices"] = list(self.moe_layer_indices)
         return d
 
     @classmethod
@@ -235,4 +254,5 @@ class ModelSpec:
         if kwargs.get("vision"):
             kwargs["vision"] = VisionSpec(**kwargs["vision"])
         kwargs["aliases"] = tuple(kwargs.get("aliases", ()))
+        kwargs["moe_layer_indices"] = tuple(kwargs.get("moe_layer_indices", ()))
         return cls(**kwargs)
