@@ -1,0 +1,166 @@
+"""Activation memory: the tensors autograd keeps for backward, per layer.
+
+Method: walk a decoder layer as HF transformers runs it (Llama/Qwen2 style:
+RMSNorm → q,k,v → RoPE → attention → o → residual; RMSNorm → gate/up → act ·
+up → down → residual) and add, per op, the tensors its backward formula saves
+(PyTorch tools/autograd/derivatives.yaml: mul saves the *other* operand only if
+this operand needs a gradient; linear saves its input only for a weight
+gradient; SiLU/GELU save their input; softmax saves its output). Tensors saved
+by several ops are counted once. This generalises Korthikanti et al. 2022
+(arXiv 2205.05198, sbh(34 + 5as/h)) to GQA, gated MLPs, RMSNorm in fp32,
+frozen weights (LoRA) and flash/SDPA kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..spec import ModelSpec
+from . import constants as C
+from .precision import Dtypes
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What is trainable in a layer and how attention runs."""
+
+    trainable: frozenset[str]  # linear names whose weight is trained (full FT)
+    lora: frozenset[str]  # linear names wrapped by LoRA
+    lora_r: int
+    lora_dropout: bool
+    norm_trainable: bool
+    attn: str  # eager | sdpa | flash
+
+
+class _Saved:
+    """Saved tensors by identity: the same tensor saved twice counts once."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, float] = {}
+
+    def add(self, name: str, n_bytes: float) -> None:
+        self.by_name[name] = n_bytes
+
+    @property
+    def total(self) -> float:
+        return sum(self.by_name.values())
+
+
+def norm_out_bytes(dt: Dtypes, norm_type: str) -> int:
+    """dtype of a norm's output: HF RMSNorm returns the input dtype; LayerNorm
+    runs in fp32 under autocast (autocast's fp32 op list)."""
+    return 4 if (norm_type == "layer" and dt.autocast) else dt.resid_bytes
+
+
+def _norm(saved: _Saved, tag: str, t: int, width: int, dt: Dtypes, plan: LayerPlan,
+          norm_type: str) -> None:
+    """HF RMSNorm computes in fp32: pow and mul keep the fp32 input (4 B); a
+    trained weight also keeps the normalised tensor. LayerNorm keeps its
+    (fp32) input plus per-row mean and rstd."""
+    saved.add(f"{tag}.in_fp32", 4 * t * width)
+    saved.add(f"{tag}.stats", 4 * t * 2)
+    if plan.norm_trainable and norm_type == "rms":
+        saved.add(f"{tag}.normed", dt.resid_bytes * t * width)
+
+
+def _linear_input(saved: _Saved, name: str, src: str, t: int, width: int, dt: Dtypes,
+                  plan: LayerPlan, src_bytes: int) -> None:
+    """The input a linear keeps: for its own weight grad (trained), and for a
+    LoRA branch (lora_A keeps its (dropped-out) input, lora_B keeps lora_A's output)."""
+    cast = dt.autocast and src_bytes != dt.act_bytes  # autocast casts an fp32 input per call
+    if name in plan.trainable:
+        key = f"{src}.cast.{name}" if cast else src
+        saved.add(key, dt.act_bytes * t * width)
+    if name in plan.lora:
+        if plan.lora_dropout:
+            saved.add(f"{src}.dropmask.{name}", 1 * t * width)
+            saved.add(f"{src}.dropped.{name}", dt.act_bytes * t * width)
+        else:
+            saved.add(f"{src}.cast.{name}" if cast else src, dt.act_bytes * t * width)
+        saved.add(f"{name}.lora_a_out", dt.act_bytes * t * plan.lora_r)
+
+
+def _attention(saved: _Saved, spec: ModelSpec, b: int, s: int, dt: Dtypes,
+               plan: LayerPlan) -> None:
+    t = b * s
+    a = dt.act_bytes
+    q, kv, nh = spec.q_dim, spec.kv_dim, spec.num_heads
+    if spec.qk_norm:  # Qwen3: RMSNorm over head_dim on q and k, fp32 inside
+        saved.add("q_norm.in_fp32", 4 * t * q)
+        saved.add("k_norm.in_fp32", 4 * t * kv)
+    if plan.attn == "eager":
+        # q·kᵀ keeps q and the repeated k; softmax keeps its fp32 output; its
+        # 16-bit copy is kept by probs·v together with the repeated v.
+        saved.add("attn.q", a * t * q)
+        saved.add("attn.k_rep", a * t * q)
+        saved.add("attn.v_rep", a * t * q)
+        saved.add("attn.probs_fp32", 4 * b * nh * s * s)
+        saved.add("attn.probs", a * b * nh * s * s)
+    else:
+        # Flash / memory-efficient kernels keep q, k, v, the output and the
+        # fp32 log-sum-exp (no s² matrix); GQA runs natively (enable_gqa).
+        saved.add("attn.q", a * t * q)
+        saved.add("attn.k", a * t * kv)
+        saved.add("attn.v", a * t * kv)
+        saved.add("attn.out", a * t * q)
+        saved.add("attn.lse", C.LSE_BYTES * b * nh * s)
+    # The output is transposed to (b, s, heads·dim) and made contiguous for o_proj.
+    _linear_input(saved, "o_proj", "attn.ctx", t, q, dt, plan, dt.act_bytes)
+
+
+def _mlp(saved: _Saved, spec: ModelSpec, tokens: int, width: int, dt: Dtypes,
+         plan: LayerPlan, src: str, src_bytes: int, role: str) -> None:
+    """A gated (act(gate)·up → down) or plain (act(up) → down) MLP on ``tokens`` rows."""
+    a, h = dt.act_bytes, spec.hidden_size
+    if not spec.mlp_gated:
+        first = ["up_proj"]
+    elif spec.fused_gate_up:
+        first = ["gate_up_proj"]
+    else:
+        first = ["gate_proj", "up_proj"]
+    for name in first:
+        _linear_input(saved, name, src, tokens, h, dt, plan, src_bytes)
+    if spec.mlp_gated:
+        saved.add(f"{role}.gate_out", a * tokens * width)  # kept by the activation
+        saved.add(f"{role}.act_out", a * tokens * width)  # kept by the product
+        saved.add(f"{role}.up_out", a * tokens * width)  # kept by the product
+    else:
+        saved.add(f"{role}.up_out", a * tokens * width)  # kept by the activation
+    # down's input (the product, or the activation output) is kept only for
+    # down's own weight gradient or its LoRA branch.
+    _linear_input(saved, "down_proj", f"{role}.prod", tokens, width, dt, plan, a)
+
+
+def layer_activation_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: LayerPlan,
+                           moe_layer: bool = False) -> float:
+    """Bytes autograd keeps for one decoder layer's backward."""
+    saved = _Saved()
+    t = b * s
+    h = spec.hidden_size
+    _norm(saved, "norm1", t, h, dt, plan, spec.norm_type)
+    qkv = ["qkv_proj"] if spec.fused_qkv else ["q_proj", "k_proj", "v_proj"]
+    nb = norm_out_bytes(dt, spec.norm_type)
+    for name in qkv:
+        _linear_input(saved, name, "x_norm1", t, h, dt, plan, nb)
+    _attention(saved, spec, b, s, dt, plan)
+    if spec.norms_per_layer > 1:  # Phi-2's parallel block shares one norm
+        _norm(saved, "norm2", t, h, dt, plan, spec.norm_type)
+        if spec.norms_per_layer >= 4:  # Gemma-2 post-attention / post-MLP norms
+            _norm(saved, "norm3", t, h, dt, plan, spec.norm_type)
+            _norm(saved, "norm4", t, h, dt, plan, spec.norm_type)
+    src = "x_norm2" if spec.norms_per_layer > 1 else "x_norm1"
+    if not moe_layer:
+        _mlp(saved, spec, t, spec.intermediate_size, dt, plan, src, nb, "mlp")
+    else:
+        k, e = spec.experts_per_token, spec.num_experts
+        saved.add("router.probs_fp32", 4 * t * e)
+        # each routed token's expert output is scaled by its router weight:
+        # the product keeps the expert output (t·k rows of hidden_size).
+        saved.add("experts.weighted", dt.act_bytes * t * k * h)
+        expert_plan = replace(plan, lora=frozenset())  # experts are not nn.Linear
+        _mlp(saved, spec, t * k, spec.moe_intermediate_size, dt, expert_plan, "experts.gathered_in",
+             dt.act_bytes, "experts")
+        if spec.shared_expert_intermediate_size:
+            _mlp(saved, spec, t, spec.shared_expert_intermediate_size, dt, plan, src, nb,
+                 "shared")
+    return saved.total

@@ -1,0 +1,78 @@
+"""Constants of the memory model, each with its source.
+
+Byte sizes per element or per parameter; MiB-sized overheads of the CUDA
+stack. Where a value is a measurement or a default rather than a law, the
+comment says so and the estimate lists it under ``assumptions``.
+"""
+
+from __future__ import annotations
+
+from ..units import MiB
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+
+# bitsandbytes 4-bit (NF4/FP4): 2 params per byte; one absmax per block of 64
+# params. Double quantization stores the absmax as 8-bit with one fp32 absmax
+# per 256 blocks (Dettmers et al. 2023, QLoRA, §3; bitsandbytes
+# functional.quantize_4bit, blocksize=64, compress_statistics).
+NF4_BLOCK = 64
+NF4_DQ_BLOCK = 256
+NF4_BYTES_PER_PARAM_DQ = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_DQ_BLOCK)  # 0.5159
+NF4_BYTES_PER_PARAM = 0.5 + 4 / NF4_BLOCK  # 0.5625, fp32 absmax per block
+# LLM.int8 (bitsandbytes Int8Params): int8 weight + one fp32 scale per output row.
+INT8_ROW_SCALE_BYTES = 4
+
+# Optimizer state bytes per trainable parameter.
+# AdamW: exp_avg + exp_avg_sq in the parameter's dtype (torch.optim.AdamW).
+# bitsandbytes 8-bit Adam: 2 × uint8 states + fp32 absmax per block of 256
+# (bitsandbytes optim/optimizer.py Optimizer8bit, block-wise quantization;
+# tensors under min_8bit_size=4096 elements keep 32-bit states).
+ADAM8BIT_BLOCK = 256
+ADAM8BIT_BYTES = 2 + 2 * 4 / ADAM8BIT_BLOCK
+ADAM8BIT_MIN_SIZE = 4096
+
+# Cross-entropy in transformers' ForCausalLMLoss upcasts logits to fp32
+# (transformers/loss/loss_utils.py: `logits = logits.float()`), then
+# log_softmax keeps its fp32 output for backward.
+LOSS_FP32_BYTES = 4
+
+# FlashAttention / memory-efficient SDPA keep the log-sum-exp per (batch, head,
+# query) in fp32 (PyTorch aten/src/ATen/native/transformers/attention.cpp,
+# _scaled_dot_product_flash_attention returns logsumexp float32).
+LSE_BYTES = 4
+
+# --- non-PyTorch memory -----------------------------------------------------
+# CUDA context with lazy module loading (CUDA ≥ 11.7, PyTorch default
+# CUDA_MODULE_LOADING=LAZY): commonly measured 300–600 MiB on A100/H100 with
+# PyTorch 2.x. We take 500 MiB; `oomless measure` reports the real figure.
+CUDA_CONTEXT_BYTES = 500 * MiB
+# cuBLAS/cuBLASLt workspaces are allocated through the caching allocator
+# (aten/src/ATen/cuda/CublasHandlePool.cpp): default CUBLAS_WORKSPACE_CONFIG
+# :4096:8 = 32 MiB on Hopper (sm90), :4096:2:16:8 ≈ 8.1 MiB before it, per
+# handle/stream; cuBLASLt adds one of the same size.
+CUBLAS_WORKSPACE_HOPPER_BYTES = 32 * MiB
+CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
+# NCCL: NCCL_BUFFSIZE 4 MiB per channel and peer, plus the library's own
+# device code; reports range 200–600 MiB per GPU in data-parallel jobs. We take
+# 300 MiB per GPU when world size > 1.
+NCCL_BYTES = 300 * MiB
+
+# --- caching allocator --------------------------------------------------------
+# Reserved-but-unallocated memory at the peak (fragmentation and cached
+# blocks). c10/cuda/CUDACachingAllocator.cpp rounds large blocks to 2 MiB and
+# caches freed blocks; the traced allocator simulation (oomless trace) gives a
+# per-run figure. Analytic default: 6% of the transient (non-persistent) peak,
+# at least 64 MiB; 2% with expandable_segments.
+ALLOC_RESERVE_FRACTION = 0.06
+ALLOC_RESERVE_FRACTION_EXPANDABLE = 0.02
+ALLOC_RESERVE_MIN_BYTES = 64 * MiB
+
+# --- DeepSpeed ------------------------------------------------------------------
+# ZeRO-2 reduce bucket and ZeRO-3 prefetch bucket: the HF/accelerate "auto"
+# values hidden_size² and 0.9·hidden_size² elements
+# (transformers/integrations/deepspeed.py, trainer_config_finalize).
+ZERO3_PREFETCH_FRACTION = 0.9
+# DeepSpeed's own ZeRO-3 estimator keeps "largest layer × 4 bytes" on the GPU
+# for the gathered 16-bit parameters and gradients of the layer being computed
+# (deepspeed/runtime/zero/stage3.py, estimate_zero3_model_states_mem_needs).
+ZERO3_LIVE_LAYER_BYTES_PER_PARAM = 4

@@ -1,0 +1,64 @@
+"""From allocated bytes to reserved and device bytes, and the final estimate."""
+
+from __future__ import annotations
+
+from ..config import RunConfig
+from ..hardware import Cluster
+from ..result import MemoryEstimate
+from ..spec import ModelSpec
+from . import constants as C
+
+
+def non_pytorch_bytes(cluster: Cluster | None, world_size: int) -> dict[str, int]:
+    """Memory the card holds outside PyTorch's caching allocator."""
+    out = {"cuda_context": C.CUDA_CONTEXT_BYTES}
+    if world_size > 1:
+        out["nccl"] = C.NCCL_BYTES
+    return out
+
+
+def allocator_reserve_bytes(peak_allocated: int, persistent: int, expandable: bool) -> int:
+    """Reserved-but-unallocated bytes at the peak: a fraction of the memory that
+    churns (everything but the persistent states), see constants."""
+    frac = C.ALLOC_RESERVE_FRACTION_EXPANDABLE if expandable else C.ALLOC_RESERVE_FRACTION
+    return max(C.ALLOC_RESERVE_MIN_BYTES, round(frac * max(0, peak_allocated - persistent)))
+
+
+def finish_estimate(*, spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None,
+                    phases: dict[str, dict[str, int]], persistent: dict[str, int],
+                    trainable: int, host_bytes: int, paged_bytes: int,
+                    assumptions: list[str], expandable_segments: bool,
+                    method: str = "analytic", extra: dict | None = None) -> MemoryEstimate:
+    totals = {p: sum(d.values()) for p, d in phases.items()}
+    peak_phase = max(totals, key=totals.__getitem__)
+    peak_alloc = totals[peak_phase]
+    reserve = allocator_reserve_bytes(peak_alloc, sum(persistent.values()), expandable_segments)
+    non_pt = non_pytorch_bytes(cluster, cfg.world_size)
+    assumptions = assumptions + [
+        f"allocator reserve (reserved − allocated) = {C.ALLOC_RESERVE_FRACTION:.0%} of the "
+        "non-persistent peak, at least 64 MiB (trace + allocator simulation refines it)",
+        "CUDA context 500 MiB (lazy loading); NCCL 300 MiB per GPU when world size > 1; "
+        "cuBLAS/cuBLASLt workspaces inside PyTorch's allocator",
+    ]
+    extra = dict(extra or {})
+    extra["allocator_reserve_bytes"] = reserve
+    if paged_bytes:
+        extra["paged_optimizer_bytes"] = paged_bytes
+    return MemoryEstimate(
+        method=method,
+        model=spec.name,
+        param_count=spec.param_count,
+        trainable_params=trainable,
+        peak_phase=peak_phase,
+        peak_allocated_bytes=peak_alloc,
+        peak_reserved_bytes=peak_alloc + reserve,
+        device_peak_bytes=peak_alloc + reserve + sum(non_pt.values()),
+        breakdown=phases,
+        non_pytorch_bytes=non_pt,
+        assumptions=tuple(assumptions),
+        config=cfg.to_dict(),
+        gpu=cluster.gpu.name if cluster else None,
+        gpu_memory_bytes=cluster.gpu.memory_bytes if cluster else None,
+        host_ram_bytes=host_bytes,
+        extra=extra,
+    )

@@ -1,0 +1,51 @@
+"""Which dtype each kind of tensor has, for a method × precision × ZeRO choice.
+
+The conventions follow what HF Trainer, PEFT and DeepSpeed do by default:
+
+- LoRA/QLoRA: the base model is loaded in 16-bit (bf16/fp16), PEFT upcasts the
+  adapter weights to fp32 (``autocast_adapter_dtype=True``, peft/tuners/tuners_utils.py),
+  and the step runs under ``torch.autocast`` (Trainer ``bf16=True``).
+- Full fine-tuning with mixed precision and no ZeRO: fp32 parameters and
+  gradients, AdamW states in fp32, autocast to 16-bit (PyTorch AMP).
+- Full fine-tuning under DeepSpeed ZeRO with bf16/fp16: the module is 16-bit,
+  DeepSpeed keeps fp32 master weights, fp32 gradient partitions and Adam
+  states in the optimizer (deepspeed/runtime/zero/stage_1_and_2.py, stage3.py).
+- pure-bf16: everything in bf16, optimizer states too (LLaMA-Factory ``pure_bf16``).
+- fp32: everything fp32, no autocast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import RunConfig
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    base_weight_bytes: int  # frozen or trained module weights, per parameter
+    trainable_bytes: int  # dtype of trainable parameters in the module
+    grad_bytes: int  # .grad of trainable parameters in the module
+    master_bytes: int  # separate fp32 master copy (DeepSpeed), per trainable param
+    optim_elem_bytes: int  # AdamW exp_avg / exp_avg_sq element size
+    act_bytes: int  # activations fed to matmuls
+    resid_bytes: int  # residual stream (embedding output) dtype
+    autocast: bool  # ops run under torch.autocast (weights cast per matmul)
+
+
+def dtypes_for(cfg: RunConfig) -> Dtypes:
+    half = cfg.precision in ("bf16", "fp16")
+    if cfg.precision == "fp32":
+        return Dtypes(4, 4, 4, 0, 4, 4, 4, False)
+    if cfg.precision == "pure-bf16":
+        return Dtypes(2, 2, 2, 0, 2, 2, 2, False)
+    assert half
+    if cfg.zero > 0:
+        # DeepSpeed casts the whole module (adapters too) to 16-bit and keeps
+        # fp32 master weights, fp32 gradient partitions and Adam states.
+        return Dtypes(2, 2, 2, 4, 4, 2, 2, False)
+    if cfg.method in ("lora", "qlora"):
+        # 16-bit base, fp32 adapters (their grads and Adam states fp32).
+        return Dtypes(2, 4, 4, 0, 4, 2, 2, True)
+    # Plain AMP: fp32 module, autocast to 16-bit.
+    return Dtypes(4, 4, 4, 0, 4, 2, 4, True)

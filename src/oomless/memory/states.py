@@ -1,0 +1,214 @@
+"""Model states per GPU: weights, LoRA adapters, gradients, master weights,
+optimizer states, and how ZeRO shards them; the host RAM that offload needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import RunConfig
+from ..errors import ConfigError
+from ..spec import LinearSpec, ModelSpec
+from . import constants as C
+from .precision import Dtypes
+
+# Module names people write in LoRA target lists → our canonical names
+# (ChatGLM, Phi-2, GPT-2, Mixtral-legacy, InternLM spellings).
+TARGET_ALIASES = {
+    "query_key_value": "qkv_proj", "c_attn": "qkv_proj", "wqkv": "qkv_proj", "Wqkv": "qkv_proj",
+    "dense": "o_proj", "out_proj": "o_proj", "wo": "o_proj", "c_proj": "o_proj",
+    "dense_h_to_4h": "gate_up_proj", "dense_4h_to_h": "down_proj",
+    "fc1": "up_proj", "fc2": "down_proj", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
+}
+_FUSED_PARTS = {"qkv_proj": {"q_proj", "k_proj", "v_proj"}, "gate_up_proj": {"gate_proj", "up_proj"}}
+# nn.Linear modules that PEFT's "all-linear" reaches. Experts and routers are
+# 3-D parameters in transformers ≥ 5 (e.g. MixtralExperts.gate_up_proj), not
+# nn.Linear, so LoRA does not wrap them.
+_LORA_ROLES = {"attn", "mlp", "shared_expert"}
+
+
+def lora_targets(spec: ModelSpec, targets: list[str] | str) -> set[str]:
+    """Canonical names of the linears of ``spec`` that LoRA wraps."""
+    names = {lin.name for lin in spec.layer_linears() if lin.role in _LORA_ROLES}
+    if targets == "all-linear":
+        return names
+    chosen: set[str] = set()
+    for raw in targets:
+        t = TARGET_ALIASES.get(raw, raw)
+        if t == "gate_up_proj" and not spec.mlp_gated:
+            t = "up_proj"
+        hits = {n for n in names if n == t or t in _FUSED_PARTS.get(n, ())}
+        if not hits:
+            raise ConfigError(
+                f"LoRA target '{raw}' matches no linear layer of {spec.name}; "
+                f"its linear layers are {', '.join(sorted(names))} (or use 'all-linear')"
+            )
+        chosen |= hits
+    return chosen
+
+
+def lora_params(spec: ModelSpec, r: int, targets: set[str]) -> int:
+    """r·(in + out) per wrapped matrix (PEFT lora_A: in→r, lora_B: r→out, no bias)."""
+    total = 0
+    for moe in _layer_kinds(spec):
+        n_layers, is_moe = moe
+        per_layer = sum(
+            r * (lin.in_features + lin.out_features) * lin.count
+            for lin in spec.layer_linears(is_moe)
+            if lin.name in targets and lin.role in _LORA_ROLES
+        )
+        total += n_layers * per_layer
+    return total
+
+
+def _layer_kinds(spec: ModelSpec) -> list[tuple[int, bool]]:
+    moe = spec.num_moe_layers
+    return [(spec.num_layers - moe, False), (moe, True)]
+
+
+def decoder_linear_weight_params(spec: ModelSpec) -> int:
+    """Weights of the decoder's nn.Linear-like matrices (what 4/8-bit quantizes)."""
+    return sum(
+        n * sum(lin.weight_params for lin in spec.layer_linears(is_moe) if lin.role != "router")
+        for n, is_moe in _layer_kinds(spec)
+    )
+
+
+def largest_module_params(spec: ModelSpec) -> int:
+    """Largest module DeepSpeed ZeRO-3 gathers at once: a layer, the embedding or lm_head."""
+    layer = max(spec.layer_params(False), spec.layer_params(True) if spec.is_moe else 0)
+    return max(layer, spec.embedding_params, spec.lm_head_params)
+
+
+def largest_linear_params(spec: ModelSpec) -> int:
+    lins: list[LinearSpec] = spec.layer_linears()
+    return max(lin.weight_params // lin.count for lin in lins)
+
+
+@dataclass
+class States:
+    """Per-GPU persistent bytes by category, host bytes, counts."""
+
+    gpu: dict[str, int] = field(default_factory=dict)
+    host_bytes: int = 0
+    trainable_params: int = 0
+    paged_bytes: int = 0  # paged optimizer states (CUDA unified memory, evictable)
+    assumptions: list[str] = field(default_factory=list)
+
+
+def weight_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
+    """Bytes of the base model's weights on one GPU before any ZeRO-3 sharding."""
+    total = spec.param_count
+    if cfg.method != "qlora":
+        return total * dt.base_weight_bytes
+    quantized = decoder_linear_weight_params(spec)
+    if cfg.quantization.bits == 4:
+        per = C.NF4_BYTES_PER_PARAM_DQ if cfg.quantization.double_quant else C.NF4_BYTES_PER_PARAM
+    else:
+        per = 1.0  # int8 + per-row scales (added below, small)
+    return quantized * per + (total - quantized) * dt.base_weight_bytes
+
+
+def optimizer_bytes_per_param(cfg: RunConfig, dt: Dtypes) -> float:
+    opt = cfg.optimizer
+    if opt in ("adamw", "paged-adamw"):
+        return 2 * dt.optim_elem_bytes
+    if opt in ("adamw-8bit", "paged-adamw-8bit"):
+        return C.ADAM8BIT_BYTES
+    if opt == "sgd":
+        return 0.0
+    if opt == "sgd-momentum":
+        return dt.optim_elem_bytes
+    if opt == "adafactor":
+        return 0.0  # factored: computed per matrix in adafactor_bytes
+    raise ConfigError(f"unknown optimizer '{opt}'")
+
+
+def adafactor_bytes(spec: ModelSpec, cfg: RunConfig, targets: set[str]) -> int:
+    """Adafactor (HF, beta1=None): fp32 row + column second-moment factors per
+    matrix, a full fp32 second moment per vector (Shazeer & Stern 2018, §3)."""
+    total = 0
+    for n_layers, is_moe in _layer_kinds(spec):
+        for lin in spec.layer_linears(is_moe):
+            if cfg.method == "full":
+                total += n_layers * (lin.in_features + lin.out_features) * lin.count
+            elif lin.name in targets and lin.role in _LORA_ROLES:
+                r = cfg.lora.r
+                total += n_layers * lin.count * ((r + lin.in_features) + (lin.out_features + r))
+    if cfg.method == "full":
+        total += spec.vocab_size + spec.hidden_size  # embedding
+        total += spec.num_layers * spec.norms_per_layer * spec.hidden_size
+    return 4 * total
+
+
+def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
+    """Persistent per-GPU bytes of weights, adapters, grads, master and optimizer."""
+    st = States()
+    n = cfg.world_size
+    targets = lora_targets(spec, cfg.lora.targets) if cfg.method != "full" else set()
+    adapter = lora_params(spec, cfg.lora.r, targets) if targets else 0
+    trainable = spec.param_count if cfg.method == "full" else adapter
+    st.trainable_params = trainable
+
+    weights = weight_bytes(spec, cfg, dt)
+    shard3 = n if cfg.zero == 3 else 1  # ZeRO-3 partitions the parameters
+    shard_opt = n if cfg.zero >= 1 else 1  # ZeRO-1+ partitions optimizer states
+    params_on_host = cfg.offload == "all"
+    st.gpu["weights"] = 0 if params_on_host else round(weights / shard3)
+    if cfg.zero == 3:
+        live = C.ZERO3_LIVE_LAYER_BYTES_PER_PARAM * largest_module_params(spec)
+        prefetch = C.ZERO3_PREFETCH_FRACTION * spec.hidden_size**2 * dt.base_weight_bytes
+        st.gpu["zero3_gathered"] = round(live + prefetch)
+        st.assumptions.append(
+            "ZeRO-3: the largest module (layer, embedding or lm_head) is gathered at "
+            "4 B/param (16-bit weight + grad, DeepSpeed's estimator) plus a prefetch "
+            "bucket of 0.9·hidden² elements (HF 'auto')"
+        )
+    if adapter:
+        st.gpu["lora_adapters"] = round(adapter * dt.trainable_bytes / shard3)
+
+    opt_per = optimizer_bytes_per_param(cfg, dt)
+    opt = (
+        adafactor_bytes(spec, cfg, targets)
+        if cfg.optimizer == "adafactor"
+        else trainable * opt_per
+    )
+    master = trainable * dt.master_bytes
+    fp32_grad_partition = trainable * 4 if cfg.zero >= 1 else 0
+    optimizer_side = (opt + master + fp32_grad_partition) / shard_opt
+    if cfg.offload in ("optimizer", "all"):
+        st.host_bytes += round(optimizer_side * cfg.hardware.gpus_per_node)
+        st.assumptions.append(
+            "optimizer offload: fp32 master weights, fp32 gradient partitions and "
+            "optimizer states live in pinned host RAM (DeepSpeed ZeRO-Offload)"
+        )
+    elif cfg.optimizer.startswith("paged"):
+        st.paged_bytes = round(opt / shard_opt)
+        st.gpu["master_weights"] = round(master / shard_opt)
+        st.gpu["grad_partition_fp32"] = round(fp32_grad_partition / shard_opt)
+        st.assumptions.append(
+            "paged optimizer: bitsandbytes keeps states in CUDA unified memory, "
+            "outside PyTorch's allocator; they count on the device until memory "
+            "runs short, then page to host, so they are not counted against the fit"
+        )
+    else:
+        st.gpu["optimizer"] = round(opt / shard_opt)
+        st.gpu["master_weights"] = round(master / shard_opt)
+        st.gpu["grad_partition_fp32"] = round(fp32_grad_partition / shard_opt)
+    if params_on_host:
+        st.host_bytes += round(weights / n * cfg.hardware.gpus_per_node)
+
+    grads = trainable * dt.grad_bytes
+    if cfg.zero >= 2:
+        bucket = spec.hidden_size**2 * dt.grad_bytes
+        st.gpu["gradients"] = round(grads / n + bucket)
+    else:
+        st.gpu["gradients"] = round(grads)
+    if cfg.zero == 0 and n > 1:
+        # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False,
+        # the HF/accelerate default): a second copy of all trainable gradients.
+        st.gpu["ddp_buckets"] = round(grads)
+        st.assumptions.append(
+            "DDP: gradient buckets hold a second copy of the gradients "
+            "(gradient_as_bucket_view=False, the default)"
+        )
+    return st

@@ -1,0 +1,212 @@
+"""Analytic training-memory model: per GPU, per phase, by category.
+
+Phases: forward (end of the forward, loss computed), backward (its peak),
+optimizer (the step), evaluation (eval forward) and generation
+(predict_with_generate). Steady state: the optimizer already holds its
+states (step ≥ 2), as in any real run after the first step.
+"""
+
+from __future__ import annotations
+
+from ..config import RunConfig
+from ..hardware import Cluster
+from ..result import MemoryEstimate
+from ..spec import ModelSpec
+from . import constants as C
+from .activations import LayerPlan, layer_activation_bytes
+from .overheads import finish_estimate
+from .precision import Dtypes, dtypes_for
+from .states import lora_targets, model_states
+
+
+def llm_seq_len(spec: ModelSpec, cfg: RunConfig) -> int:
+    """Tokens per sample the language model runs on: text plus image tokens."""
+    images = cfg.data.images_per_sample if spec.vision else 0
+    per_image = cfg.data.image_tokens or (spec.vision.tokens_per_image if spec.vision else 0)
+    return cfg.seq_len + images * per_image
+
+
+def layer_plan(spec: ModelSpec, cfg: RunConfig) -> LayerPlan:
+    names = frozenset(lin.name for lin in spec.layer_linears())
+    full = cfg.method == "full"
+    return LayerPlan(
+        trainable=names if full else frozenset(),
+        lora=frozenset() if full else frozenset(lora_targets(spec, cfg.lora.targets)),
+        lora_r=cfg.lora.r,
+        lora_dropout=cfg.lora.dropout > 0,
+        norm_trainable=full,
+        attn=cfg.attn,
+    )
+
+
+def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, s: int) -> dict:
+    """Activations alive at the end of the forward, and one layer's worth (for
+    recomputation under gradient checkpointing)."""
+    plan = layer_plan(spec, cfg)
+    dense = layer_activation_bytes(spec, b, s, dt, plan, moe_layer=False)
+    moe = layer_activation_bytes(spec, b, s, dt, plan, moe_layer=True) if spec.is_moe else 0
+    n_moe = spec.num_moe_layers
+    one_layer = max(dense, moe)
+    t = b * s
+    # Shared by all layers: RoPE cos/sin (b, s, head_dim) in the activation dtype;
+    # the final norm's fp32 input; lm_head's input when lm_head is trained.
+    shared = 2 * dt.act_bytes * t * spec.head_dim + 4 * t * spec.hidden_size
+    if cfg.method == "full":
+        shared += dt.act_bytes * t * spec.hidden_size
+    if cfg.attn == "eager":
+        shared += dt.act_bytes * b * s * s  # additive causal mask (b, 1, s, s)
+    if cfg.grad_ckpt:
+        # Each layer keeps only its input (the residual stream); one layer is
+        # recomputed at a time during backward (Chen et al. 2016; HF
+        # gradient_checkpointing).
+        layers = spec.num_layers * dt.resid_bytes * t * spec.hidden_size
+    else:
+        layers = (spec.num_layers - n_moe) * dense + n_moe * moe
+    return {"layers": layers + shared, "one_layer": one_layer}
+
+
+def logits_bytes(spec: ModelSpec, dt: Dtypes, t: int) -> dict:
+    """Loss buffers (transformers ForCausalLMLoss upcasts logits to fp32):
+    forward: 16-bit logits + fp32 copy + fp32 log_softmax output;
+    backward start: saved log_softmax + its incoming fp32 grad + the fp32 grad
+    of the logits, before the cast back to 16-bit."""
+    v = spec.vocab_size
+    half_logits = 2 if (dt.autocast or dt.act_bytes == 2) else 4
+    upcast = C.LOSS_FP32_BYTES if half_logits == 2 else 0
+    forward = (half_logits + upcast + C.LOSS_FP32_BYTES) * t * v
+    backward = 3 * C.LOSS_FP32_BYTES * t * v
+    return {"forward": forward, "backward": backward}
+
+
+def backward_transient_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> float:
+    """Gradients of one layer's intermediates while it back-propagates: the
+    MLP's three (t × intermediate) grads plus two residual-stream grads; under
+    full fine-tuning also one weight gradient in 16-bit before accumulation;
+    QLoRA dequantises one weight to 16-bit (bitsandbytes MatMul4Bit)."""
+    width = spec.moe_intermediate_size * spec.experts_per_token if spec.is_moe else 0
+    width = max(width, spec.intermediate_size)
+    tr = 3 * dt.act_bytes * t * width + 2 * dt.resid_bytes * t * spec.hidden_size
+    biggest = max(lin.weight_params // lin.count for lin in spec.layer_linears())
+    if cfg.method == "full":
+        tr += dt.act_bytes * biggest
+    if cfg.method == "qlora":
+        tr += 2 * biggest
+    return tr
+
+
+def eval_forward_bytes(spec: ModelSpec, dt: Dtypes, b: int, s: int, attn: str) -> float:
+    """No-grad forward: one layer's intermediates at a time plus the loss's logits."""
+    t = b * s
+    width = max(spec.intermediate_size, spec.moe_intermediate_size * spec.experts_per_token)
+    layer = dt.act_bytes * t * (3 * width + 2 * spec.q_dim + 2 * spec.kv_dim)
+    if attn == "eager":
+        layer += (4 + dt.act_bytes) * b * spec.num_heads * s * s
+    return layer + dt.resid_bytes * t * spec.hidden_size
+
+
+def kv_cache_bytes(spec: ModelSpec, batch: int, tokens: int, elem_bytes: int) -> int:
+    """K and V for every layer: 2 · layers · kv_heads · head_dim per token
+    (sliding-window layers keep at most the window)."""
+    per_layer_tokens = []
+    for i in range(spec.num_layers):
+        windowed = spec.sliding_window and (i % spec.sliding_window_every == 0)
+        per_layer_tokens.append(min(tokens, spec.sliding_window) if windowed else tokens)
+    return 2 * batch * spec.kv_dim * elem_bytes * sum(per_layer_tokens)
+
+
+def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads: dict,
+            fixed_grads: dict) -> dict[str, dict[str, int]]:
+    b, s = cfg.micro_batch_size, llm_seq_len(spec, cfg)
+    t = b * s
+    acts = saved_activation_bytes(spec, cfg, dt, b, s)
+    logits = logits_bytes(spec, dt, t)
+    transient = backward_transient_bytes(spec, cfg, dt, t)
+    recompute = acts["one_layer"] if cfg.grad_ckpt else 0
+    fwd_grads = grads if cfg.grad_accum > 1 else fixed_grads
+
+    phases: dict[str, dict[str, int]] = {}
+    phases["forward"] = {**persistent, **fwd_grads, "activations": acts["layers"],
+                         "logits": logits["forward"]}
+    start = {**persistent, **fwd_grads, "activations": acts["layers"],
+             "logits": logits["backward"]}
+    in_layers = {**persistent, **fwd_grads, "activations": acts["layers"] + recompute,
+                 "temporaries": transient}
+    end = {**persistent, **grads, "activations": recompute, "temporaries": transient}
+    phases["backward"] = max((start, in_layers, end), key=lambda d: sum(d.values()))
+    phases["optimizer"] = {**persistent, **grads}
+    if cfg.eval.batch_size or cfg.eval.steps or cfg.eval.predict_with_generate:
+        eb = cfg.eval_batch_size
+        ev = eval_forward_bytes(spec, dt, eb, s, cfg.attn)
+        phases["evaluation"] = {**persistent, "activations": ev,
+                                "logits": logits_bytes(spec, dt, eb * s)["forward"]}
+    if cfg.eval.predict_with_generate and cfg.eval.max_new_tokens:
+        eb = cfg.eval_batch_size
+        prompt = cfg.data.max_input_length or s
+        kv = kv_cache_bytes(spec, eb, prompt + cfg.eval.max_new_tokens, dt.act_bytes)
+        phases["generation"] = {
+            **persistent,
+            "kv_cache": kv,
+            "activations": eval_forward_bytes(spec, dt, eb, prompt, cfg.attn),
+            "logits": 4 * eb * spec.vocab_size * 2,  # last-token logits, fp32, + probs
+        }
+    return {p: {k: round(v) for k, v in d.items() if v} for p, d in phases.items()}
+
+
+def estimate_training(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = None,
+                      expandable_segments: bool = False) -> MemoryEstimate:
+    """Predict per-GPU memory of one fine-tuning run at its peak.
+
+    Returns a MemoryEstimate whose ``breakdown`` holds every phase's
+    categories (they add up to the phase's allocated bytes), the peak phase,
+    and the reserved/device peaks after allocator and CUDA overheads.
+    """
+    dt = dtypes_for(cfg)
+    st = model_states(spec, cfg, dt)
+    gpu_state = dict(st.gpu)
+    grad_keys = ("gradients", "ddp_buckets")
+    grads = {k: gpu_state.pop(k) for k in grad_keys if k in gpu_state}
+    # ZeRO keeps its gradient partitions allocated; 16-bit grads exist from
+    # the first backward of a step until zero_grad after the optimizer step.
+    fixed = {"gradients": grads["gradients"]} if cfg.zero >= 2 else {}
+    cap = cluster.gpu.compute_capability if cluster else "9.0"
+    gpu_state["cublas_workspace"] = 2 * (
+        C.CUBLAS_WORKSPACE_HOPPER_BYTES if float(cap) >= 9.0 else C.CUBLAS_WORKSPACE_BYTES
+    )
+    phases = _phases(spec, cfg, dt, gpu_state, grads, fixed)
+    assumptions = list(st.assumptions) + _training_assumptions(spec, cfg)
+    return finish_estimate(
+        spec=spec, cfg=cfg, cluster=cluster, phases=phases, persistent=gpu_state,
+        trainable=st.trainable_params, host_bytes=st.host_bytes, paged_bytes=st.paged_bytes,
+        assumptions=assumptions, expandable_segments=expandable_segments,
+    )
+
+
+def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
+    out = [
+        "steady state: optimizer states exist (step ≥ 2); gradients are freed by "
+        "zero_grad(set_to_none=True) after each optimizer step",
+        "AdamW is torch's fused implementation (transformers' default adamw_torch_fused): "
+        "no per-parameter temporaries in the step",
+        "batches are full length without padding, so SDPA runs its flash kernel "
+        "(no attention mask, GQA native); padded batches use the memory-efficient kernel",
+        "loss: transformers ForCausalLMLoss upcasts logits to fp32; HF Trainer drops "
+        "the model outputs before backward",
+        "activations: per-op saved tensors of an HF Llama-style layer (see "
+        "oomless/memory/activations.py); dropout only on LoRA inputs",
+    ]
+    if cfg.method != "full":
+        out.append("LoRA adapters in fp32 (PEFT autocast_adapter_dtype) under bf16/fp16 autocast")
+    if spec.vision:
+        out.append(
+            "vision tower frozen and run without gradients (LLaMA-Factory's default "
+            "freeze_vision_tower); image tokens are added to seq_len"
+        )
+    if spec.is_moe:
+        out.append(
+            f"MoE: every token visits {spec.experts_per_token} experts; expert "
+            "activations as a dense MLP over tokens × experts_per_token rows, "
+            "routing assumed balanced"
+        )
+    if cfg.eval.predict_with_generate:
+        out.append("generation: HF generate with a dynamic KV cache in the activation dtype")
+    return out
