@@ -69,6 +69,18 @@ class DataConfig(_Section):
     image_tokens: int | None = Field(None, ge=1, description="override tokens per image")
 
 
+class InjectOOM(_Section):
+    """Fault injection (tests, demos): raise torch.OutOfMemoryError on purpose."""
+
+    step: int = Field(..., ge=1, description="optimizer step (1-based) or evaluation round")
+    rank: int | None = Field(0, ge=0, description="process rank; null: every rank")
+    times: int = Field(1, ge=1, description="how many attempts of that step fail")
+    phase: Literal["train", "eval"] = "train"
+    micro_index: int | None = Field(
+        None, ge=0, description="micro batch inside the step that fails (null: the last)"
+    )
+
+
 class TrainingConfig(_Section):
     output_dir: str = "runs/oomless"
     epochs: float = Field(1.0, gt=0)
@@ -84,6 +96,14 @@ class TrainingConfig(_Section):
     trust_remote_code: bool = False
     auto_fit: bool = False
     engine: Literal["auto", "deepspeed", "fsdp"] = "auto"
+    inject_oom: list[InjectOOM] = Field(
+        default_factory=list, description="fault injection: OOMs at chosen steps and ranks"
+    )
+    memory_budget_gb: float | None = Field(
+        None, gt=0, description="simulated GPU budget (GiB): tracked tensor bytes above it "
+        "raise OutOfMemoryError (CPU testing of OOM recovery)"
+    )
+    save_total_limit: int | None = Field(None, ge=1, description="checkpoints kept (None: all)")
 
 
 class RunConfig(_Section):
