@@ -199,7 +199,8 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
 
     grads = trainable * dt.grad_bytes
     if cfg.zero >= 2:
-        bucket = spec.hidden_size**2 * dt.grad_bytes
+        # reduce bucket of hidden² elements (HF "auto"), never more than the grads
+        bucket = min(spec.hidden_size**2 * dt.grad_bytes, grads)
         st.gpu["gradients"] = round(grads / n + bucket)
     else:
         st.gpu["gradients"] = round(grads)

@@ -115,14 +115,14 @@ def kv_cache_bytes(spec: ModelSpec, batch: int, tokens: int, elem_bytes: int) ->
 
 
 def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads: dict,
-            fixed_grads: dict) -> dict[str, dict[str, int]]:
+            step_only: dict) -> dict[str, dict[str, int]]:
     b, s = cfg.micro_batch_size, llm_seq_len(spec, cfg)
     t = b * s
     acts = saved_activation_bytes(spec, cfg, dt, b, s)
     logits = logits_bytes(spec, dt, t)
     transient = backward_transient_bytes(spec, cfg, dt, t)
     recompute = acts["one_layer"] if cfg.grad_ckpt else 0
-    fwd_grads = grads if cfg.grad_accum > 1 else fixed_grads
+    fwd_grads = grads if cfg.grad_accum > 1 else {}
 
     phases: dict[str, dict[str, int]] = {}
     phases["forward"] = {**persistent, **fwd_grads, "activations": acts["layers"],
@@ -131,9 +131,11 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
              "logits": logits["backward"]}
     in_layers = {**persistent, **fwd_grads, "activations": acts["layers"] + recompute,
                  "temporaries": transient}
-    end = {**persistent, **grads, "activations": recompute, "temporaries": transient}
+    # the first layer back-propagates last: its activations (saved or
+    # recomputed) are alive next to the complete gradients.
+    end = {**persistent, **grads, "activations": acts["one_layer"], "temporaries": transient}
     phases["backward"] = max((start, in_layers, end), key=lambda d: sum(d.values()))
-    phases["optimizer"] = {**persistent, **grads}
+    phases["optimizer"] = {**persistent, **grads, **step_only}
     if cfg.eval.batch_size or cfg.eval.steps or cfg.eval.predict_with_generate:
         eb = cfg.eval_batch_size
         ev = eval_forward_bytes(spec, dt, eb, s, cfg.attn)
@@ -163,16 +165,17 @@ def estimate_training(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None =
     dt = dtypes_for(cfg)
     st = model_states(spec, cfg, dt)
     gpu_state = dict(st.gpu)
-    grad_keys = ("gradients", "ddp_buckets")
-    grads = {k: gpu_state.pop(k) for k in grad_keys if k in gpu_state}
-    # ZeRO keeps its gradient partitions allocated; 16-bit grads exist from
-    # the first backward of a step until zero_grad after the optimizer step.
-    fixed = {"gradients": grads["gradients"]} if cfg.zero >= 2 else {}
+    # 16-bit gradients exist from a step's first backward until zero_grad after
+    # the optimizer step (so through the forwards of accumulation steps);
+    # DeepSpeed's fp32 gradient partition only inside the step (stage_1_and_2.py
+    # and stage3.py assign it before optimizer.step() and drop it after).
+    grads = {k: gpu_state.pop(k) for k in ("gradients", "ddp_buckets") if k in gpu_state}
+    step_only = {k: gpu_state.pop(k) for k in ("grad_partition_fp32",) if k in gpu_state}
     cap = cluster.gpu.compute_capability if cluster else "9.0"
     gpu_state["cublas_workspace"] = 2 * (
         C.CUBLAS_WORKSPACE_HOPPER_BYTES if float(cap) >= 9.0 else C.CUBLAS_WORKSPACE_BYTES
     )
-    phases = _phases(spec, cfg, dt, gpu_state, grads, fixed)
+    phases = _phases(spec, cfg, dt, gpu_state, grads, step_only)
     assumptions = list(st.assumptions) + _training_assumptions(spec, cfg)
     return finish_estimate(
         spec=spec, cfg=cfg, cluster=cluster, phases=phases, persistent=gpu_state,

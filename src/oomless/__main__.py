@@ -1,0 +1,5 @@
+"""`python -m oomless` runs the CLI."""
+
+from .cli import run
+
+run()

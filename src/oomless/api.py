@@ -1,0 +1,48 @@
+"""Library entry points that tie the steps together (torch-free).
+
+    cfg = RunConfig(model="qwen2.5-7b", method="qlora", hardware={"gpu": "rtx-4090"})
+    est = oomless.api.estimate(cfg)
+"""
+
+from __future__ import annotations
+
+from .catalog import resolve_model
+from .config import RunConfig
+from .errors import ConfigError
+from .hardware import Cluster, get_gpu
+from .result import MemoryEstimate
+from .units import GiB, fmt_bytes
+
+
+def cluster_for(cfg: RunConfig) -> Cluster | None:
+    """The cluster a run configuration names (None when it names no GPU)."""
+    hw = cfg.hardware
+    if not hw.gpu:
+        return None
+    host = round(hw.host_ram_gb * 1e9) if hw.host_ram_gb else None
+    return Cluster(get_gpu(hw.gpu), hw.gpus_per_node, hw.nodes, host)
+
+
+def check_host_ram(est: MemoryEstimate, cluster: Cluster | None) -> None:
+    """Offload needs host RAM; stop when the stated RAM cannot hold it."""
+    if not cluster or not cluster.host_ram_bytes or not est.host_ram_bytes:
+        return
+    if est.host_ram_bytes > cluster.host_ram_bytes:
+        raise ConfigError(
+            f"offload needs {fmt_bytes(est.host_ram_bytes)} of host RAM per node, but "
+            f"host_ram_gb states {cluster.host_ram_bytes / 1e9:.0f} GB; use offload: optimizer "
+            "instead of all, more GPUs, or a machine with "
+            f"≥ {est.host_ram_bytes / GiB * 1.074:.0f} GB RAM"
+        )
+
+
+def estimate(cfg: RunConfig, expandable_segments: bool = False) -> MemoryEstimate:
+    """Analytic estimate of a run configuration (model resolved from the catalog,
+    a local config.json/folder, or the local Hugging Face cache)."""
+    from .memory import estimate_training
+
+    spec = resolve_model(cfg.model).spec
+    cluster = cluster_for(cfg)
+    est = estimate_training(spec, cfg, cluster, expandable_segments=expandable_segments)
+    check_host_ram(est, cluster)
+    return est

@@ -1,0 +1,86 @@
+"""`oomless estimate`: per-GPU memory of a fine-tune (or inference) before running it."""
+
+from __future__ import annotations
+
+import argparse
+
+ORDER = 10
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from ._options import add_run_options
+
+    p = sub.add_parser(
+        "estimate",
+        help="predict per-GPU memory of a fine-tune, instantly from formulas",
+        description="Predict per-GPU memory of a fine-tuning run (or, with --inference, "
+        "of generation / a vLLM engine) at its peak, by component and phase.",
+    )
+    add_run_options(p)
+    p.add_argument("--json", action="store_true", help="print the MemoryEstimate as JSON")
+    p.add_argument("--assumptions", action="store_true", help="list every approximation")
+    inf = p.add_argument_group("inference (--inference)")
+    inf.add_argument("--inference", action="store_true", help="estimate inference instead")
+    inf.add_argument("--engine", choices=["hf", "vllm"], default="vllm")
+    inf.add_argument("--max-model-len", type=int, help="vLLM: default seq-len + max-new-tokens")
+    inf.add_argument("--max-num-seqs", type=int, default=256)
+    inf.add_argument("--gpu-memory-utilization", type=float)
+    inf.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ._options import run_config_from_args
+
+    cfg = run_config_from_args(args)
+    if args.inference:
+        return _inference(args, cfg)
+    from ..api import estimate
+
+    est = estimate(cfg, expandable_segments=args.expandable_segments)
+    if args.json:
+        print(est.to_json())
+    else:
+        from ._render import render_estimate
+
+        render_estimate(est, show_assumptions=args.assumptions)
+    return 0
+
+
+def _inference(args: argparse.Namespace, cfg) -> int:
+    import json
+
+    from ..api import cluster_for
+    from ..catalog import resolve_model
+    from ..errors import ConfigError
+    from ..memory import estimate_generate, vllm_budget
+    from ..units import fmt_bytes
+
+    spec = resolve_model(cfg.model).spec
+    new_tokens = cfg.eval.max_new_tokens or 512
+    if args.engine == "hf":
+        est = estimate_generate(spec, cfg.micro_batch_size, cfg.seq_len, new_tokens)
+        data = {"engine": "hf", **est.to_dict()}
+    else:
+        cluster = cluster_for(cfg)
+        if cluster is None:
+            raise ConfigError("--inference --engine vllm needs --gpu (vLLM's budget is a "
+                              "fraction of the card's memory); e.g. --gpu a100-80gb")
+        max_len = args.max_model_len or cfg.seq_len + new_tokens
+        est = vllm_budget(spec, cluster.gpu, max_len, args.max_num_seqs,
+                          args.gpu_memory_utilization, args.kv_cache_dtype,
+                          lora_rank=cfg.lora.r if cfg.method != "full" else 0)
+        data = {"engine": "vllm", **est.to_dict()}
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    from ._render import console
+
+    out = console()
+    out.print(f"[bold]{spec.name}[/] inference ({data['engine']})")
+    for key, value in data.items():
+        if key == "engine":
+            continue
+        shown = fmt_bytes(value) if key.endswith("_bytes") else value
+        out.print(f"  {key.replace('_', ' ')}: {shown}")
+    return 0

@@ -1,0 +1,142 @@
+"""Inference memory: HF ``generate`` and vLLM's engine budget (torch-free).
+
+vLLM (v1, vllm/v1/worker/gpu_worker.py determine_available_memory;
+vllm/utils/mem_utils.py): the budget is ``gpu_memory_utilization`` × the
+card's total memory. The engine subtracts its non-KV memory — weights, the
+torch peak of a profile run over ``max_num_batched_tokens`` and non-torch
+memory (CUDA context, CUDA graphs, NCCL) — and fills the rest with KV blocks of
+``2 × block_size × kv_heads × head_dim × dtype bytes`` per layer. "No
+available memory for the cache blocks" means that rest is ≤ 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..hardware import GPUSpec
+from ..spec import ModelSpec
+from ..units import GiB, MiB
+from . import constants as C
+from .training import kv_cache_bytes
+
+# vLLM captures CUDA graphs for decode batch sizes up to 512; their memory is
+# outside torch's profile peak. Reported 0.3–1.5 GiB on 7B-class models; we take
+# 1 GiB (vLLM ≥ 0.10 prints its own estimate at start-up: "CUDA graph memory").
+VLLM_CUDAGRAPH_BYTES = 1 * GiB
+# Default chunked-prefill token budget of a v1 offline engine (EngineArgs
+# max_num_batched_tokens for LLM on a data-centre GPU; 2048 on small cards).
+VLLM_DEFAULT_BATCHED_TOKENS = 8192
+VLLM_DEFAULT_BLOCK_SIZE = 16
+
+
+def weight_bytes_16bit(spec: ModelSpec, elem_bytes: int = 2) -> int:
+    return spec.param_count * elem_bytes
+
+
+def forward_peak_bytes(spec: ModelSpec, tokens: int, elem_bytes: int = 2) -> int:
+    """Torch peak of a no-grad forward over ``tokens`` tokens: one layer's
+    intermediates (q, k, v, attention output, MLP gate/up/act) plus the
+    residual stream twice. Attention is flash/paged (no s² scores)."""
+    width = max(spec.intermediate_size, spec.moe_intermediate_size * spec.experts_per_token)
+    layer = tokens * (3 * width + 2 * spec.q_dim + 2 * spec.kv_dim) * elem_bytes
+    return layer + 2 * tokens * spec.hidden_size * elem_bytes
+
+
+@dataclass(frozen=True)
+class GenerateEstimate:
+    weights_bytes: int
+    kv_cache_bytes: int
+    activations_bytes: int
+    logits_bytes: int
+    non_pytorch_bytes: int
+    device_peak_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def estimate_generate(spec: ModelSpec, batch: int, prompt_tokens: int, max_new_tokens: int,
+                      weight_elem_bytes: float = 2, kv_elem_bytes: int = 2) -> GenerateEstimate:
+    """HF ``model.generate``: weights + dynamic KV cache + prefill activations
+    + last-token logits (generate asks the model for 1 logit row per sequence)."""
+    weights = round(spec.param_count * weight_elem_bytes)
+    kv = kv_cache_bytes(spec, batch, prompt_tokens + max_new_tokens, kv_elem_bytes)
+    acts = forward_peak_bytes(spec, batch * prompt_tokens)
+    logits = 3 * 4 * batch * spec.vocab_size  # fp32 logits, processed scores, probs
+    non_pt = C.CUDA_CONTEXT_BYTES
+    total = weights + kv + acts + logits
+    device = round(total * (1 + C.ALLOC_RESERVE_FRACTION_EXPANDABLE)) + non_pt
+    return GenerateEstimate(weights, kv, acts, logits, non_pt, device)
+
+
+@dataclass(frozen=True)
+class VllmBudget:
+    """What a vLLM engine will do on one GPU, and the utilization it needs."""
+
+    total_memory_bytes: int
+    gpu_memory_utilization: float
+    budget_bytes: int
+    weights_bytes: int
+    profile_peak_bytes: int
+    non_torch_bytes: int
+    kv_cache_bytes: int  # what is left for KV blocks under this utilization
+    block_bytes: int
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int
+    max_concurrency: float  # full-length sequences the KV cache holds
+    required_utilization: float  # smallest that holds max_num_seqs × max_model_len
+    fits: bool
+    free_at_start_ok: bool  # the budget is not more than what is free at start-up
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def kv_block_bytes(spec: ModelSpec, block_size: int, kv_elem_bytes: int) -> int:
+    """One KV block across all layers: 2 (K and V) × block × kv_heads × head_dim × bytes × L."""
+    return 2 * block_size * spec.kv_dim * kv_elem_bytes * spec.num_layers
+
+
+def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs: int = 256,
+                gpu_memory_utilization: float | None = None, kv_cache_dtype: str = "auto",
+                block_size: int = VLLM_DEFAULT_BLOCK_SIZE,
+                max_num_batched_tokens: int | None = None, lora_rank: int = 0,
+                max_loras: int = 1, used_by_others_bytes: int = 0,
+                headroom: float = 0.02) -> VllmBudget:
+    """vLLM's memory arithmetic; with no utilization given, choose the smallest
+    that holds ``max_num_seqs`` sequences of ``max_model_len`` tokens (+ headroom),
+    capped by what other processes leave free."""
+    total = gpu.memory_bytes
+    kv_b = 1 if kv_cache_dtype.startswith("fp8") else 2
+    weights = weight_bytes_16bit(spec)
+    if lora_rank:
+        # vLLM pre-allocates LoRA slots for max_loras adapters over all linears.
+        per = sum(lin.in_features + lin.out_features for lin in spec.layer_linears())
+        weights += max_loras * lora_rank * per * spec.num_layers * 2
+    batched = max_num_batched_tokens or max(VLLM_DEFAULT_BATCHED_TOKENS, 0)
+    batched = min(batched, max(max_model_len, batched))
+    profile = forward_peak_bytes(spec, batched) + 3 * 4 * max_num_seqs * spec.vocab_size
+    non_torch = C.CUDA_CONTEXT_BYTES + VLLM_CUDAGRAPH_BYTES
+    non_kv = weights + profile + non_torch
+    block = kv_block_bytes(spec, block_size, kv_b)
+    blocks_needed = max_num_seqs * math.ceil(max_model_len / block_size)
+    kv_needed = blocks_needed * block
+    required = (non_kv + kv_needed) / total + headroom
+    free_frac = (total - used_by_others_bytes) / total
+    util = gpu_memory_utilization if gpu_memory_utilization is not None else min(
+        round(math.ceil(required * 100) / 100, 2), round(math.floor(free_frac * 100) / 100, 2))
+    budget = int(util * total)
+    kv = max(0, budget - non_kv)
+    num_blocks = kv // block
+    concurrency = num_blocks * block_size / max_model_len
+    return VllmBudget(
+        total_memory_bytes=total, gpu_memory_utilization=util, budget_bytes=budget,
+        weights_bytes=weights, profile_peak_bytes=profile, non_torch_bytes=non_torch,
+        kv_cache_bytes=kv, block_bytes=block, num_blocks=num_blocks,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_concurrency=round(concurrency, 2), required_utilization=round(required, 4),
+        fits=num_blocks * block_size >= max_model_len,
+        free_at_start_ok=budget <= total - used_by_others_bytes + 64 * MiB,
+    )
