@@ -1,0 +1,187 @@
+"""``oomless diagnose``: explain out-of-memory events in a log or traceback (torch-free).
+
+Pipeline: clean the lines (:mod:`.text`) → find events (:mod:`.parse`,
+:mod:`.vllm`, :mod:`.host`) → attach traceback phase (:mod:`.phase`) → read
+run hints (:mod:`.hints`) → classify causes (:mod:`.causes`) → price fixes
+(:mod:`.fixes`, :mod:`.serving`) with the estimator when a run configuration
+is given (:mod:`.predict`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import RunConfig
+from ..hardware import Cluster
+from ..units import fmt_bytes
+from .causes import Situation, classify
+from .events import (
+    CUDA_OOM,
+    GPU_KINDS,
+    HOST_KINDS,
+    NCCL_OOM,
+    NO_EVENT,
+    PROCESS_KILLED,
+    Diagnosis,
+    Finding,
+    Fix,
+    OomEvent,
+    RunHints,
+)
+from .fixes import FixContext, training_fixes
+from .hints import read_hints
+from .host import find_host_events
+from .parse import find_gpu_events
+from .phase import phase_from_context, phase_of, traceback_before
+from .predict import Predictor, choose_cluster
+from .serving import serving_fixes
+from .text import LogText
+from .view import gpu_view
+from .vllm import find_vllm_events
+
+__all__ = ["NO_EVENT", "Diagnosis", "diagnose_text"]
+
+MAX_FINDINGS = 50  # a retry loop can print thousands of identical errors
+_LIBRARIES = ("bitsandbytes", "deepspeed", "vllm", "peft", "accelerate", "transformers")
+_NCCL_MERGE_LINES = 30
+
+
+def _with_traceback(log: LogText, event: OomEvent) -> OomEvent:
+    index = event.line - 1
+    frames = traceback_before(log, index, event.rank, log.pid_at(index))
+    phase = phase_of(frames)
+    if phase == "unknown":
+        phase = event.phase
+    if phase == "unknown" and event.kind in HOST_KINDS:
+        phase = phase_from_context(log, index)
+    library = next((lib for f in reversed(frames) for lib in _LIBRARIES if f"/{lib}/" in f.path), None)
+    labels = tuple(f.label() for f in frames)
+    return replace(event, phase=phase, frames=labels, library=library)
+
+
+def _key(event: OomEvent) -> tuple:
+    numbers = tuple(sorted(event.numbers.items()))
+    return (event.kind, event.rank, numbers, event.message if not numbers else "")
+
+
+def _merge(events: list[OomEvent]) -> list[OomEvent]:
+    """Identical messages of one rank count once; one NCCL failure's lines make one event."""
+    merged: dict[tuple, OomEvent] = {}
+    last_nccl: dict[int | None, tuple] = {}
+    for e in sorted(events, key=lambda ev: ev.line):
+        if e.kind == NCCL_OOM and e.rank in last_nccl:
+            prev_key = last_nccl[e.rank]
+            prev = merged[prev_key]
+            if e.line - prev.line <= _NCCL_MERGE_LINES:
+                merged[prev_key] = replace(prev, numbers={**e.numbers, **prev.numbers},
+                                           device=prev.device if prev.device is not None else e.device)
+                continue
+        key = _key(e)
+        if key in merged:
+            merged[key] = replace(merged[key], occurrences=merged[key].occurrences + 1)
+            continue
+        merged[key] = e
+        if e.kind == NCCL_OOM:
+            last_nccl[e.rank] = key
+    return sorted(merged.values(), key=lambda ev: ev.line)
+
+
+def find_events(log: LogText) -> tuple[list[OomEvent], list[str]]:
+    raw = [*find_gpu_events(log), *find_vllm_events(log), *find_host_events(log)]
+    events = _merge([_with_traceback(log, e) for e in raw])
+    notes: list[str] = []
+    gpu = [e for e in events if e.kind in GPU_KINDS]
+    collateral = [e for e in events if e.kind == PROCESS_KILLED and e.source != "kernel"]
+    if gpu and collateral:
+        # Launchers kill the other ranks once one fails; those kills are not host OOMs.
+        events = [e for e in events if e not in collateral]
+        notes.append(f"{len(collateral)} process kill(s) after the GPU error were left out: the "
+                     "launcher stops the other ranks once one fails")
+    if len(events) > MAX_FINDINGS:
+        notes.append(f"{len(events)} events found; the first {MAX_FINDINGS} are shown")
+        events = events[:MAX_FINDINGS]
+    return events, notes
+
+
+def _situation(events: list[OomEvent], hints: RunHints, cfg: RunConfig | None, spec) -> Situation:
+    tokens: tuple[int, ...] = ()
+    vocab = None
+    if cfg is not None and spec is not None:
+        from ..memory.training import llm_seq_len
+
+        s = llm_seq_len(spec, cfg)
+        tokens = (cfg.micro_batch_size * s, cfg.eval_batch_size * s)
+        vocab = spec.vocab_size
+    return Situation(
+        events=tuple(events), hints=hints,
+        zero_stage=cfg.zero if cfg else hints.zero_stage,
+        micro_batch_size=cfg.micro_batch_size if cfg else hints.micro_batch_size,
+        eval_batch_size=cfg.eval_batch_size if cfg else hints.eval_batch_size,
+        logits_tokens=tokens, vocab_size=vocab,
+    )
+
+
+def _fixes_for(event: OomEvent, causes, s: Situation, predictor: Predictor | None) -> tuple[Fix, ...]:
+    ctx = FixContext(event, gpu_view(event), s.hints, predictor)
+    out: list[Fix] = []
+    seen: set[str] = set()
+    for cause in causes:
+        for fix in [*serving_fixes(event, cause, s), *training_fixes(cause, ctx)]:
+            if fix is not None and fix.code not in seen:
+                seen.add(fix.code)
+                out.append(fix)
+    # Training-preserving fixes first; among them those predicted to fit.
+    return tuple(sorted(out, key=lambda f: (not f.keeps_training, f.fits is False)))
+
+
+def _calibration_note(event: OomEvent, predictor: Predictor) -> str | None:
+    """When the estimator says the failing run fits, say how far off it is."""
+    view = gpu_view(event)
+    predicted = predictor.peak()
+    if predicted is None or view.used_bytes is None or view.requested_bytes is None:
+        return None
+    seen = view.used_bytes - view.others_bytes + view.requested_bytes
+    if predicted >= seen:
+        return None
+    return (f"the estimator predicts {fmt_bytes(predicted)} for the configuration that ran out of "
+            f"memory, but the log shows at least {fmt_bytes(seen)} needed: predictions may be "
+            f"{fmt_bytes(seen - predicted)} low for this run")
+
+
+def diagnose_text(text: str, cfg: RunConfig | None = None, cluster: Cluster | None = None) -> Diagnosis:
+    """Find every out-of-memory event in ``text`` and explain it.
+
+    ``cfg``: the run configuration; with it every fix carries the estimator's
+    predicted peak. ``cluster``: the GPUs to predict for (default: the
+    configuration's, else the total printed in the message).
+    """
+    log = LogText(text)
+    events, notes = find_events(log)
+    first = None
+    if events:
+        first = sum(len(line.text) + 1 for line in log.lines[: events[0].line - 1])
+    hints = read_hints(log.text, first)
+    spec = None
+    if cfg is not None:
+        from ..catalog import resolve_model
+
+        spec = resolve_model(cfg.model).spec
+    s = _situation(events, hints, cfg, spec)
+    totals = [int(e.numbers["total_bytes"]) for e in events if e.numbers.get("total_bytes")]
+    if cluster is None and (cfg is not None or totals):
+        cluster = choose_cluster(cfg, None, totals[0] if totals else None)
+    findings = []
+    cache: dict = {}
+    for event in events:
+        predictor = None
+        if cfg is not None and spec is not None and cluster is not None and event.kind not in HOST_KINDS:
+            predictor = Predictor(spec, cfg, cluster, gpu_view(event).others_bytes, cache)
+            if event.kind == CUDA_OOM and (note := _calibration_note(event, predictor)) and note not in notes:
+                notes.append(note)
+        causes = classify(event, s)
+        findings.append(Finding(event, causes, _fixes_for(event, causes, s, predictor)))
+    return Diagnosis(
+        findings=tuple(findings), hints=hints, notes=tuple(notes),
+        gpu=cluster.gpu.display_name if cluster else None,
+        gpu_memory_bytes=cluster.gpu.memory_bytes if cluster else None,
+    )

@@ -1,0 +1,94 @@
+"""Run settings written in the log itself: launch command lines and argument dumps.
+
+Hugging Face ``TrainingArguments`` appear as ``--per_device_train_batch_size 8``
+(command lines), ``per_device_train_batch_size=8`` (the dataclass repr) or
+``per_device_train_batch_size: 8`` (LLaMA-Factory YAML); DeepSpeed JSON as
+``"train_micro_batch_size_per_gpu": 8``; vLLM engine arguments as
+``gpu_memory_utilization=0.95`` or ``--gpu-memory-utilization 0.95``.
+The first value found wins (the launch line precedes later echoes).
+"""
+
+from __future__ import annotations
+
+import re
+
+from .events import RunHints
+from .vllm import vllm_profile
+
+_SEP = r"""["']?\s*(?:=|:|\s)\s*["']?"""
+
+
+def _key(*names: str) -> str:
+    alternatives = "|".join(n.replace("_", "[_-]") for n in names)
+    return rf"(?<![\w-])-{{0,2}}(?:{alternatives})\b{_SEP}"
+
+
+def _int_pattern(*names: str) -> re.Pattern[str]:
+    return re.compile(_key(*names) + r"(\d{1,7})\b")
+
+
+_MICRO = _int_pattern("per_device_train_batch_size", "train_micro_batch_size_per_gpu",
+                      "micro_batch_size", "per_gpu_train_batch_size")
+_ACCUM = _int_pattern("gradient_accumulation_steps", "grad_accum", "gradient_accumulation")
+_EVAL = _int_pattern("per_device_eval_batch_size", "eval_batch_size", "per_gpu_eval_batch_size")
+_SEQ = _int_pattern("model_max_length", "max_seq_length", "cutoff_len", "max_length", "seq_len",
+                    "max_seq_len", "block_size")
+_NEW = _int_pattern("max_new_tokens")
+_MAX_MODEL_LEN = _int_pattern("max_model_len")
+_WORLD = _int_pattern("nproc_per_node", "num_processes", "world_size", "num_gpus")
+_UTIL = re.compile(_key("gpu_memory_utilization") + r"(0?\.\d{1,4}|1(?:\.0{1,4})?)\b")
+_ZERO_FILE = re.compile(r"\bzero_?(?:stage_?)?([0-3])(?:[_-]\w+)?\.json\b", re.IGNORECASE)
+_ZERO_STAGE = re.compile(r"""(?:zero_stage|"stage")\s*[:=]\s*([0-3])\b""")
+_CKPT = re.compile(_key("gradient_checkpointing", "grad_ckpt") + r"(True|False|true|false|1|0)\b")
+_PROGRESS = re.compile(r"(?<![\d/])(\d{1,7})/(\d{1,7}) \[[\d:]+<")
+_STEP = re.compile(r"\{'loss': [^}]*'epoch': ")
+
+
+def _first_int(pattern: re.Pattern[str], text: str) -> int | None:
+    m = pattern.search(text)
+    return int(m.group(1)) if m else None
+
+
+def _zero_stage(text: str) -> int | None:
+    m = _ZERO_FILE.search(text) or _ZERO_STAGE.search(text)
+    return int(m.group(1)) if m else None
+
+
+def _grad_ckpt(text: str) -> bool | None:
+    m = _CKPT.search(text)
+    return None if m is None else m.group(1).lower() in ("true", "1")
+
+
+def steps_done(text: str, before: int) -> int | None:
+    """Training steps finished before position ``before``: tqdm counters or logged losses."""
+    region = text[:before]
+    last = None
+    for m in _PROGRESS.finditer(region):
+        done, total = int(m.group(1)), int(m.group(2))
+        if total > 0 and done <= total:
+            last = done
+    logged = len(_STEP.findall(region))
+    if last is None:
+        return logged or None
+    return max(last, logged)
+
+
+def read_hints(text: str, first_event_pos: int | None) -> RunHints:
+    """Settings found anywhere in ``text``; progress counted up to the first event."""
+    util = _UTIL.search(text)
+    profile = vllm_profile(text, first_event_pos)
+    utilization = float(util.group(1)) if util else profile.get("gpu_memory_utilization")
+    return RunHints(
+        micro_batch_size=_first_int(_MICRO, text),
+        grad_accum=_first_int(_ACCUM, text),
+        eval_batch_size=_first_int(_EVAL, text),
+        seq_len=_first_int(_SEQ, text),
+        max_new_tokens=_first_int(_NEW, text),
+        zero_stage=_zero_stage(text),
+        grad_ckpt=_grad_ckpt(text),
+        world_size=_first_int(_WORLD, text),
+        gpu_memory_utilization=float(utilization) if utilization is not None else None,
+        max_model_len=_first_int(_MAX_MODEL_LEN, text),
+        steps_done=steps_done(text, first_event_pos) if first_event_pos is not None else None,
+        vllm_profile=profile,
+    )

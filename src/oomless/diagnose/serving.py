@@ -1,0 +1,142 @@
+"""Quantified fixes for vLLM and host-memory causes, from the logged numbers.
+
+vLLM reserves ``gpu_memory_utilization × total`` at start-up (REFERENCE.md,
+vllm/v1/worker/gpu_worker.py): weights, the profile run's activation peak and
+non-torch memory come out of that budget and the rest becomes KV cache.
+Everything outside vLLM (another process, a sampler's logits for scoring, a
+training job on the same card) must fit in ``(1 - u) × total``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..units import GiB, MiB, fmt_bytes
+from .causes import Situation
+from .events import Cause, Fix, OomEvent
+from .view import gpu_view
+
+# vLLM accepts utilization as a fraction; we suggest values on a 0.05 grid
+# (what people type), rounded towards the safe side.
+_UTIL_STEP = 0.05
+# Margin left free beyond the measured shortfall: the next request or batch is
+# rarely the same size, and CUDA graphs/NCCL allocate lazily.
+_MARGIN_BYTES = 1 * GiB
+# vLLM's own check (MemorySnapshot) compares against free memory at start; keep
+# half a GiB for the CUDA context that the engine creates after the check.
+_CONTEXT_BYTES = 512 * MiB
+
+
+def _down(u: float) -> float:
+    return max(_UTIL_STEP, math.floor(u / _UTIL_STEP + 1e-9) * _UTIL_STEP)
+
+
+def _up(u: float, step: float = 0.01) -> float:
+    return math.ceil(u / step - 1e-9) * step
+
+
+def _util_text(u: float, was: float | None) -> str:
+    return f"gpu_memory_utilization {u:.2f}" + (f" (was {was:g})" if was is not None else "")
+
+
+def vllm_runtime(event: OomEvent, cause: Cause) -> list[Fix]:
+    """A CUDA OOM while vLLM runs: lower u so the failed request and a margin fit outside."""
+    v = gpu_view(event)
+    u = float(cause.numbers["gpu_memory_utilization"])
+    total = int(cause.numbers["total_bytes"])
+    req = v.requested_bytes or 0
+    short = v.shortfall_bytes or 0
+    new_u = _down(u - (short + req + _MARGIN_BYTES) / total)
+    used = v.used_bytes if v.used_bytes is not None else int(u * total)
+    after = used - int((u - new_u) * total) + req
+    text = (f"{_util_text(new_u, u)}: vLLM's budget becomes {fmt_bytes(new_u * total)}, leaving "
+            f"{fmt_bytes((1 - new_u) * total)} for the rest (the failed step needed {fmt_bytes(short)} more)")
+    return [Fix("gpu_memory_utilization", text, {"gpu_memory_utilization": round(new_u, 2)}, True,
+                after, total, "arithmetic", after <= total)]
+
+
+def vllm_free_memory(event: OomEvent) -> list[Fix]:
+    n = event.numbers
+    total, free = int(n["total_bytes"]), int(n["free_bytes"])
+    held = total - free
+    u = float(n["gpu_memory_utilization"])
+    new_u = _down((free - _CONTEXT_BYTES) / total)
+    after = held + int(new_u * total)
+    fixes = [Fix("gpu_memory_utilization",
+                 f"{_util_text(new_u, u)}: vLLM takes {fmt_bytes(new_u * total)} next to the "
+                 f"{fmt_bytes(held)} already in use", {"gpu_memory_utilization": round(new_u, 2)},
+                 True, after, total, "arithmetic", after <= total)]
+    fixes.append(Fix("free_gpu", f"or free the {fmt_bytes(held)} other processes hold (nvidia-smi) "
+                     f"and keep utilization {u:g}", {}, True, int(u * total), total, "arithmetic",
+                     int(u * total) <= total))
+    return fixes
+
+
+def vllm_no_kv(event: OomEvent, s: Situation) -> list[Fix]:
+    prof = s.hints.vllm_profile
+    total = prof.get("total_bytes")
+    fixed = sum(int(prof.get(k, 0)) for k in ("weights_bytes", "activation_bytes", "non_torch_bytes"))
+    fixes: list[Fix] = []
+    if total and fixed:
+        need_u = _up((fixed + _MARGIN_BYTES) / total)
+        if need_u <= 0.95:
+            fixes.append(Fix("gpu_memory_utilization",
+                             f"{_util_text(need_u, prof.get('gpu_memory_utilization'))}: "
+                             f"{fmt_bytes(fixed)} of weights, activations and non-torch memory plus "
+                             f"{fmt_bytes(_MARGIN_BYTES)} of KV cache", {"gpu_memory_utilization": need_u},
+                             True, int(need_u * total), int(total), "arithmetic", True))
+    act = prof.get("activation_bytes")
+    detail = f" (profile-run activations {fmt_bytes(act)})" if act else ""
+    fixes.append(Fix("max_num_batched_tokens", "lower max_num_batched_tokens / max_num_seqs" + detail,
+                     {}, True))
+    fixes.append(Fix("quantize", "a quantized checkpoint (AWQ/GPTQ/FP8) or tensor_parallel_size 2 "
+                     "to shrink the weights per GPU", {}, False))
+    return fixes
+
+
+def vllm_max_len(event: OomEvent, s: Situation) -> list[Fix]:
+    n = event.numbers
+    fits_len = n.get("estimated_max_model_len") or n.get("kv_cache_tokens")
+    fixes: list[Fix] = []
+    if fits_len:
+        fixes.append(Fix("max_model_len", f"max_model_len {int(fits_len)} (was {n['max_model_len']}); "
+                         "for generation: prompt cutoff + max_new_tokens within it",
+                         {"max_model_len": int(fits_len)}, False))
+    prof = s.hints.vllm_profile
+    total, u = prof.get("total_bytes"), prof.get("gpu_memory_utilization") or s.hints.gpu_memory_utilization
+    need, have = n.get("kv_needed_bytes"), n.get("kv_available_bytes")
+    if total and u and need and have:
+        new_u = _up(u + (need - have) / total)
+        fixes.append(Fix("gpu_memory_utilization",
+                         f"{_util_text(new_u, u)}: {fmt_bytes(need - have)} more KV cache",
+                         {"gpu_memory_utilization": new_u}, True, int(new_u * total), int(total),
+                         "arithmetic", new_u <= 1.0))
+    return fixes
+
+
+def host_fixes(event: OomEvent, s: Situation) -> list[Fix]:
+    if event.phase == "data_loading" or event.source == "dataloader":
+        return [Fix("dataloader_workers", "fewer DataLoader workers (dataloader_num_workers 2 or 0): "
+                    "each worker holds its own copy of the dataset's Python objects", {}, True)]
+    if event.phase == "model_load":
+        return [Fix("load_to_gpu", "load safetensors shard by shard straight to the GPU "
+                    "(from_pretrained(..., device_map=...), low_cpu_mem_usage=True) instead of "
+                    "materialising the model in host RAM first", {}, True)]
+    offload = s.zero_stage is not None and s.zero_stage >= 2
+    extra = " (ZeRO offload keeps optimizer states in host RAM: pass --config to size it)" if offload else ""
+    return [Fix("host_ram", "more host RAM or swap, fewer processes per node, or a container memory "
+                f"limit raised to what the job needs{extra}", {}, True)]
+
+
+def serving_fixes(event: OomEvent, cause: Cause, s: Situation) -> list[Fix]:
+    if cause.code == "vllm_utilization" and "total_bytes" in cause.numbers and event.kind == "cuda_oom":
+        return vllm_runtime(event, cause)
+    if cause.code == "vllm_utilization":
+        return vllm_free_memory(event)
+    if cause.code == "vllm_no_kv_cache":
+        return vllm_no_kv(event, s)
+    if cause.code == "vllm_max_len":
+        return vllm_max_len(event, s)
+    if cause.code == "host_ram":
+        return host_fixes(event, s)
+    return []

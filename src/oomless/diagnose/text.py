@@ -1,0 +1,110 @@
+"""A log as clean lines: launcher and logger prefixes removed, rank of each line kept.
+
+Multi-process launchers prefix every line: torch ≥ 2.2 writes ``[rank3]:``,
+``torchrun --tee`` writes ``[default3]:``, vLLM workers ``(VllmWorkerProcess
+pid=532)``, loggers add levels and timestamps. Messages that wrap across
+lines only match once those prefixes are gone, so patterns run on the joined
+clean text and positions map back to lines here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+# Prefixes, tried again and again at the start of a line until none matches.
+_RANK = re.compile(r"\[(?:rank|default|Rank |RANK )(\d{1,5})\]:?\s?")
+_WORKER = re.compile(r"\((?:[A-Za-z][\w-]*)\s+pid=(\d+)(?:,\s*ip=[\w.:]+)?\)\s*")
+_PREFIXES = (
+    # vLLM/glog-ish: "INFO 03-01 10:09:22 [model_runner.py:1110] " or "... model_runner.py:1110] "
+    re.compile(r"(?:INFO|WARNING|WARN|ERROR|DEBUG|CRITICAL)\s+\d\d-\d\d\s+[\d:.]+\s+\[?[\w./-]+:\d+\]\s?"),
+    # glog: "E0813 08:21:22.980000 1245483 torch/distributed/...py:984] "
+    re.compile(r"[IWEF]\d{4}\s+[\d:.]+\s+\d+\s+[\w./-]+:\d+\]\s?"),
+    # ISO or bracketed timestamps: "[2024-06-17 13:18:29,371] ", "2024-06-17T13:18:29.371Z "
+    re.compile(r"\[?\d{4}-\d\d-\d\d[ T_][\d:.,]+(?:Z|[+-]\d\d:?\d\d)?\]?\s?"),
+    # "[WARNING] ", "[stage3.py:2236:step] "
+    re.compile(r"\[(?:INFO|WARNING|WARN|ERROR|DEBUG|CRITICAL)\]\s?"),
+    re.compile(r"\[[\w./-]+:\d+:\w+\]\s?"),
+    # rich tracebacks draw boxes: "│ /path/file.py:176 in to │"
+    re.compile(r"[│┃|]\s"),
+)
+_BOX_END = re.compile(r"\s*[│┃]\s*$")
+_MAX_PREFIX_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class CleanLine:
+    text: str
+    rank: int | None
+    pid: int | None
+
+
+def clean_line(raw: str) -> CleanLine:
+    """Strip escape codes and known prefixes; remember rank and worker pid."""
+    text = _ANSI.sub("", raw).replace("\x00", "").rstrip("\r")
+    rank: int | None = None
+    pid: int | None = None
+    for _ in range(_MAX_PREFIX_ROUNDS):
+        stripped = text.lstrip()
+        m = _RANK.match(stripped)
+        if m:
+            rank = int(m.group(1)) if rank is None else rank
+            text = stripped[m.end():]
+            continue
+        m = _WORKER.match(stripped)
+        if m:
+            pid = int(m.group(1)) if pid is None else pid
+            text = stripped[m.end():]
+            continue
+        for prefix in _PREFIXES:
+            m = prefix.match(stripped)
+            if m and m.end() > 0:
+                text = stripped[m.end():]
+                break
+        else:
+            break
+    return CleanLine(_BOX_END.sub("", text), rank, pid)
+
+
+class LogText:
+    """Clean lines of a log, their joined text, and position → line mapping."""
+
+    def __init__(self, raw: str) -> None:
+        self.lines: list[CleanLine] = [clean_line(r) for r in raw.splitlines()]
+        self.text = "\n".join(line.text for line in self.lines)
+        self._starts: list[int] = []
+        pos = 0
+        for line in self.lines:
+            self._starts.append(pos)
+            pos += len(line.text) + 1
+
+    def line_index(self, pos: int) -> int:
+        """0-based index of the line holding character ``pos`` of ``text``."""
+        if not self._starts:
+            return 0
+        return max(0, bisect.bisect_right(self._starts, pos) - 1)
+
+    def rank_at(self, index: int) -> int | None:
+        if 0 <= index < len(self.lines):
+            return self.lines[index].rank
+        return None
+
+    def pid_at(self, index: int) -> int | None:
+        if 0 <= index < len(self.lines):
+            return self.lines[index].pid
+        return None
+
+    def same_stream(self, index: int, rank: int | None, pid: int | None) -> bool:
+        """Whether line ``index`` may belong to the process that wrote (rank, pid)."""
+        line = self.lines[index]
+        if rank is not None and line.rank is not None and line.rank != rank:
+            return False
+        return not (pid is not None and line.pid is not None and line.pid != pid)
+
+
+def squeeze(text: str, limit: int = 600) -> str:
+    """Whitespace-normalised text, cut to ``limit`` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"

@@ -1,0 +1,130 @@
+"""vLLM's start-up memory failures and its memory-profiling log lines.
+
+Messages (vllm/v1/core/kv_cache_utils.py ``check_enough_kv_cache_memory``,
+vllm/worker/worker.py and vllm/v1/worker/gpu_worker.py, vllm/utils ``MemorySnapshot``):
+
+- "No available memory for the cache blocks. Try increasing
+  `gpu_memory_utilization` when initializing the engine."
+- "The model's max seq len (N) is larger than the maximum number of tokens
+  that can be stored in KV cache (M)." (V0)
+- "To serve at least one request with the model's max seq len (N), (X GiB
+  KV cache is needed, which is larger than the available KV cache memory
+  (Y GiB). Based on the available memory, the estimated maximum model length
+  is M." (V1; older releases write "models's")
+- "Free memory on device [cuda:0] (F/T GiB) on startup is less than desired
+  GPU memory utilization (u, B GiB)."
+
+Profiling lines read as context: "the current vLLM instance can use
+total_gpu_memory (T GiB) x gpu_memory_utilization (u) = B GiB", "model
+weights take W GiB; non_torch_memory takes N GiB; PyTorch activation peak
+memory takes A GiB; the rest of the memory reserved for KV Cache is K GiB",
+"Available KV cache memory: K GiB", "Loading model weights took W GB" (vLLM
+divides by 2**30 there, so GB is read as GiB).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+from .events import VLLM_FREE_MEMORY, VLLM_MAX_LEN, VLLM_NO_KV, OomEvent
+from .sizes import NUM, group_bytes, size, to_bytes
+from .text import LogText, squeeze
+
+_S = r"\s+"
+_GIB = 1024**3
+
+NO_KV = re.compile(rf"No{_S}available{_S}memory{_S}for{_S}the{_S}cache{_S}blocks")
+MAX_LEN_V0 = re.compile(
+    rf"max{_S}seq{_S}len{_S}\((?P<len>\d+)\){_S}is{_S}larger{_S}than{_S}the{_S}maximum{_S}number"
+    rf"{_S}of{_S}tokens{_S}that{_S}can{_S}be{_S}stored{_S}in{_S}KV{_S}cache{_S}\((?P<tokens>\d+)\)"
+)
+MAX_LEN_V1 = re.compile(
+    rf"To{_S}serve{_S}at{_S}least{_S}one{_S}request{_S}with{_S}the{_S}models?'s{_S}max{_S}seq{_S}len"
+    rf"{_S}\((?P<len>\d+)\),?{_S}\(?{size('need')}{_S}KV{_S}cache{_S}is{_S}needed,{_S}which{_S}is"
+    rf"{_S}larger{_S}than{_S}the{_S}available{_S}KV{_S}cache{_S}memory{_S}\({size('avail')}\)\.?"
+    rf"(?:{_S}Based{_S}on{_S}the{_S}available{_S}memory,{_S}the{_S}estimated{_S}maximum{_S}model"
+    rf"{_S}length{_S}is{_S}(?P<est>\d+))?"
+)
+MAX_LEN_DEV = re.compile(
+    rf"KV{_S}cache{_S}needed{_S}\((?P<need>{NUM}){_S}GB\){_S}to{_S}store{_S}one{_S}request{_S}with"
+    rf"{_S}the{_S}models?'s{_S}max{_S}seq{_S}len{_S}\((?P<len>\d+)\){_S}is{_S}larger{_S}than{_S}the"
+    rf"{_S}available{_S}KV{_S}Cache{_S}memory{_S}\((?P<avail>{NUM}){_S}GB\)"
+)
+FREE_MEMORY = re.compile(
+    rf"Free{_S}memory{_S}on{_S}device(?:{_S}[\w:]+)?{_S}\((?P<free>{NUM})/(?P<total>{NUM}){_S}GiB\)"
+    rf"{_S}on{_S}startup{_S}is{_S}less{_S}than{_S}desired{_S}GPU{_S}memory{_S}utilization"
+    rf"{_S}\((?P<util>{NUM}),{_S}(?P<want>{NUM}){_S}GiB\)"
+)
+
+_BUDGET = re.compile(
+    rf"total_gpu_memory\s*\((?P<total>{NUM})\s*GiB\)\s*x\s*gpu_memory_utilization"
+    rf"\s*\((?P<util>{NUM})\)\s*=\s*(?P<budget>{NUM})\s*GiB"
+)
+_SPLIT = re.compile(
+    rf"model{_S}weights{_S}take{_S}(?P<weights>-?{NUM})\s*GiB;{_S}non_torch_memory{_S}takes"
+    rf"{_S}(?P<non_torch>-?{NUM})\s*GiB;{_S}PyTorch{_S}activation{_S}peak{_S}memory{_S}takes"
+    rf"{_S}(?P<activation>-?{NUM})\s*GiB;{_S}the{_S}rest{_S}of{_S}the{_S}memory{_S}reserved{_S}for"
+    rf"{_S}KV{_S}Cache{_S}is{_S}(?P<kv>-?{NUM})\s*GiB"
+)
+_AVAILABLE_KV = re.compile(rf"Available{_S}KV{_S}cache{_S}memory:\s*(?P<kv>-?{NUM})\s*GiB")
+_WEIGHTS_TOOK = re.compile(rf"(?:Loading{_S}model{_S}weights|Model{_S}loading){_S}took{_S}(?P<weights>{NUM})\s*G(?:i)?B")
+_KV_TOKENS = re.compile(rf"GPU{_S}KV{_S}cache{_S}size:\s*(?P<tokens>[\d,]+){_S}tokens")
+
+
+def _gib(text: str) -> int:
+    return int(round(float(text) * _GIB))
+
+
+def _event(log: LogText, m: re.Match[str], kind: str, numbers: dict) -> OomEvent:
+    index = log.line_index(m.start())
+    return OomEvent(kind=kind, source="vllm", line=index + 1, message=squeeze(m.group(0)),
+                    rank=log.rank_at(index), numbers=numbers, phase="vllm_startup")
+
+
+def find_vllm_events(log: LogText) -> Iterator[OomEvent]:
+    for m in NO_KV.finditer(log.text):
+        yield _event(log, m, VLLM_NO_KV, {})
+    for m in MAX_LEN_V0.finditer(log.text):
+        yield _event(log, m, VLLM_MAX_LEN, {"max_model_len": int(m.group("len")),
+                                            "kv_cache_tokens": int(m.group("tokens"))})
+    for m in MAX_LEN_V1.finditer(log.text):
+        numbers: dict[str, int | float] = {"max_model_len": int(m.group("len"))}
+        numbers["kv_needed_bytes"] = group_bytes(m, "need") or 0
+        numbers["kv_available_bytes"] = group_bytes(m, "avail") or 0
+        if m.group("est"):
+            numbers["estimated_max_model_len"] = int(m.group("est"))
+        yield _event(log, m, VLLM_MAX_LEN, numbers)
+    for m in MAX_LEN_DEV.finditer(log.text):
+        yield _event(log, m, VLLM_MAX_LEN, {  # this message divides by 1024**3 and says GB
+            "max_model_len": int(m.group("len")),
+            "kv_needed_bytes": to_bytes(m.group("need"), "GB", binary_gb=True),
+            "kv_available_bytes": to_bytes(m.group("avail"), "GB", binary_gb=True),
+        })
+    for m in FREE_MEMORY.finditer(log.text):
+        yield _event(log, m, VLLM_FREE_MEMORY, {
+            "free_bytes": _gib(m.group("free")), "total_bytes": _gib(m.group("total")),
+            "gpu_memory_utilization": float(m.group("util")),
+            "requested_bytes": _gib(m.group("want")),
+        })
+
+
+def vllm_profile(text: str, before: int | None = None) -> dict[str, int | float]:
+    """The last memory-profiling numbers vLLM logged (before position ``before``)."""
+    region = text if before is None else text[:before]
+    out: dict[str, int | float] = {}
+    for m in _BUDGET.finditer(region):
+        out["total_bytes"] = _gib(m.group("total"))
+        out["gpu_memory_utilization"] = float(m.group("util"))
+        out["budget_bytes"] = _gib(m.group("budget"))
+    for m in _WEIGHTS_TOOK.finditer(region):
+        out["weights_bytes"] = _gib(m.group("weights"))
+    for m in _SPLIT.finditer(region):
+        for key in ("weights", "non_torch", "activation", "kv"):
+            name = "kv_cache_bytes" if key == "kv" else f"{key}_bytes"
+            out[name] = _gib(m.group(key))
+    for m in _AVAILABLE_KV.finditer(region):
+        out["kv_cache_bytes"] = _gib(m.group("kv"))
+    for m in _KV_TOKENS.finditer(region):
+        out["kv_cache_tokens"] = int(m.group("tokens").replace(",", ""))
+    return out
