@@ -308,3 +308,43 @@ def test_llama_count_matches_closed_form(layers, heads, kv_div, head_dim, inter,
     per_layer = attn + 3 * hidden * inter + 2 * hidden
     expected = layers * per_layer + vocab * hidden * (1 if tie else 2) + hidden
     assert spec.param_count == expected
+
+
+# ---- assumptions and other formats -------------------------------------------------------
+def test_assumptions_are_recorded():
+    assert spec_from_hf_config(_cfg("qwen2.5-7b-instruct"), "x").assumptions == ()
+    vl = spec_from_hf_config(_cfg("qwen2.5-vl-7b-instruct"), "x")
+    assert any("756x756" in note for note in vl.assumptions)
+    llava = spec_from_hf_config(_cfg("llava-1.5-7b"), "x")
+    assert any("hidden_size" in note and "defaults" in note for note in llava.assumptions)
+    glm4v = spec_from_hf_config(_cfg("glm-4v-9b"), "x")
+    assert any("1602 tokens" in note for note in glm4v.assumptions)
+    odd = _cfg("llama-2-7b") | {"model_type": "my_llama_fork"}
+    spec = spec_from_hf_config(odd, "x")
+    assert spec.param_count == get_entry("llama-2-7b").spec.param_count
+    assert any("my_llama_fork" in note for note in spec.assumptions)
+
+
+def test_original_llava_repo_format():
+    # liuhaotian/llava-v1.5-7b style: a llama config plus mm_* fields, no vision_config
+    config = _cfg("llama-2-7b") | {
+        "model_type": "llava_llama", "architectures": ["LlavaLlamaForCausalLM"],
+        "mm_vision_tower": "openai/clip-vit-large-patch14-336", "mm_projector_type": "mlp2x_gelu",
+        "mm_hidden_size": 1024, "mm_vision_select_layer": -2, "vocab_size": 32000,
+    }
+    spec = spec_from_hf_config(config, "llava-orig")
+    llava_hf = get_entry("llava-1.5-7b").spec
+    assert spec.vision.tokens_per_image == 576 and not spec.is_moe
+    # same tower and projector as llava-hf/llava-1.5-7b-hf; the hf port has 64 more vocab rows
+    assert spec.vision.param_count == llava_hf.vision.param_count
+    assert llava_hf.param_count - spec.param_count == 2 * 64 * 4096
+
+
+def test_vlm_top_level_tie_applies_to_text():
+    config = _cfg("qwen2.5-vl-7b-instruct")
+    text_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "vocab_size", "model_type")
+    config["text_config"] = {k: config[k] for k in text_keys} | {"model_type": "qwen2_5_vl_text"}
+    config["tie_word_embeddings"] = True
+    spec = spec_from_hf_config(config, "x")
+    assert spec.tie_embeddings and spec.num_layers == 28

@@ -35,6 +35,7 @@ class ConfigFields:
         self.config = config
         self.where = where
         self.defaults = defaults or {}
+        self.defaulted: list[str] = []  # fields taken from ``defaults``
 
     def has(self, key: str) -> bool:
         return self.config.get(key) is not None or key in self.defaults
@@ -46,6 +47,8 @@ class ConfigFields:
                 return self.config[key]
         for key in keys:
             if key in self.defaults:
+                if key not in self.defaulted:
+                    self.defaulted.append(key)
                 return self.defaults[key]
         also = f" (or {', '.join(repr(k) for k in keys[1:])})" if len(keys) > 1 else ""
         model_type = self.config.get("model_type", "unknown")
@@ -59,6 +62,8 @@ class ConfigFields:
         value = self.config.get(key)
         if value is not None:
             return value
+        if key in self.defaults and key not in self.defaulted:
+            self.defaulted.append(key)
         return self.defaults.get(key, default)
 
     def sub(self, key: str, defaults: dict | None = None) -> ConfigFields:
@@ -174,12 +179,21 @@ def _moe(f: ConfigFields, model_type: str, num_layers: int) -> dict[str, Any]:
 def decoder_spec(f: ConfigFields, name: str, model_type: str | None = None) -> ModelSpec:
     """Dense or MoE decoder-only LM in the llama layout (and its relatives)."""
     model_type = model_type or str(f.need("model_type"))
-    fam = _FAMILY.get(model_type, {"tie": False})
+    fam = _FAMILY.get(model_type)
+    notes = []
+    if fam is None:
+        fam = {"tie": False}
+        notes.append(
+            f"model_type '{model_type}' is not a family oomless knows; read as a llama-style "
+            "decoder (gated MLP, RMSNorm, 2 norms per layer, no biases unless attention_bias)"
+        )
+    if f.config.get("num_key_value_heads") is None:
+        notes.append("num_key_value_heads not set: multi-head attention (as transformers defaults)")
     num_layers = int(f.need("num_hidden_layers"))
     moe = _moe(f, model_type, num_layers)
     all_bias = fam.get("bias") == "always"
     window = _sliding_window(f, model_type)
-    return ModelSpec(
+    spec = ModelSpec(
         name=name,
         model_type=model_type,
         architecture=(f.get("architectures") or [None])[0],
@@ -202,6 +216,9 @@ def decoder_spec(f: ConfigFields, name: str, model_type: str | None = None) -> M
         **_attention(f, fam),
         **moe,
     )
+    if f.defaulted:
+        notes.append(f"{f.where} omits {', '.join(f.defaulted)}: transformers' config defaults used")
+    return replace(spec, assumptions=tuple(notes)) if notes else spec
 
 
 def chatglm_spec(f: ConfigFields, name: str) -> ModelSpec:
@@ -283,13 +300,16 @@ def spec_from_hf_config(config: dict[str, Any], name: str, where: str | None = N
     if model_type == "chatglm":
         spec = chatglm_spec(f, name)
         if f.get("vision_config") is not None:
-            spec = replace(spec, vision=hf_vision.glm4v_vision(f, spec))
+            vision = hf_vision.glm4v_vision(f, spec)
+            note = (f"GLM-4V resizes every image to {vision.image_size}x{vision.image_size}: "
+                    f"{vision.tokens_per_image} tokens per image")
+            spec = replace(spec, vision=vision, assumptions=(*spec.assumptions, note))
         return spec
-    if model_type == "llava":
+    if model_type == "llava" and f.config.get("text_config") is not None:
         return hf_vision.llava_spec(f, name)
     if model_type in {"qwen2_vl", "qwen2_5_vl"}:
         return hf_vision.qwen2_vl_spec(f, name, model_type)
-    if model_type.startswith("moe_llava") or model_type.startswith("llava_"):
+    if model_type.startswith(("moe_llava", "llava")):  # LLaVA repo formats (mm_vision_tower)
         return hf_vision.moe_llava_spec(f, name, model_type)
     return decoder_spec(f, name, model_type)
 

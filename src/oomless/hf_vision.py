@@ -78,7 +78,7 @@ def clip_vision_params(v: ConfigFields) -> tuple[int, dict[str, int]]:
 
 def llava_spec(f: ConfigFields, name: str) -> ModelSpec:
     """transformers ``llava``: CLIP vision tower, 2-layer GELU projector, any text decoder."""
-    text_cfg = f.need("text_config")
+    text_cfg = _text_config_with_top_level_tie(f, f.need("text_config"))
     text_type = str(text_cfg.get("model_type", "llama"))
     defaults = LLAMA_DEFAULTS if text_type == "llama" else {}
     text = ConfigFields(text_cfg, f"{f.where} [text_config]", defaults)
@@ -111,6 +111,13 @@ def llava_spec(f: ConfigFields, name: str) -> ModelSpec:
         kind="clip",
     )
     return replace(spec, model_type="llava", architecture=_arch(f), vision=vision_spec)
+
+
+def _text_config_with_top_level_tie(f: ConfigFields, text_cfg: dict) -> dict:
+    """A VLM's text config; tie_word_embeddings may sit at the top level only."""
+    if text_cfg.get("tie_word_embeddings") is None and f.config.get("tie_word_embeddings") is not None:
+        return dict(text_cfg, tie_word_embeddings=f.config["tie_word_embeddings"])
+    return text_cfg
 
 
 def _arch(f: ConfigFields) -> str | None:
@@ -159,7 +166,10 @@ def _qwen2_vision_params(v: ConfigFields, out_dim: int) -> tuple[int, dict[str, 
 def qwen2_vl_spec(f: ConfigFields, name: str, model_type: str) -> ModelSpec:
     """Qwen2-VL / Qwen2.5-VL: a qwen2 text decoder plus a dynamic-resolution ViT."""
     text_cfg = f.config.get("text_config")
-    text = ConfigFields(text_cfg, f"{f.where} [text_config]") if text_cfg else f
+    if text_cfg:
+        text = ConfigFields(_text_config_with_top_level_tie(f, text_cfg), f"{f.where} [text_config]")
+    else:
+        text = f
     spec = decoder_spec(text, name, "qwen2")
     vision = f.sub("vision_config")
     if model_type == "qwen2_5_vl":
@@ -183,7 +193,10 @@ def qwen2_vl_spec(f: ConfigFields, name: str, model_type: str) -> ModelSpec:
         kind=model_type,
         dynamic_resolution=True,
     )
-    return replace(spec, model_type=model_type, architecture=_arch(f), vision=vision_spec)
+    note = (f"{model_type} has dynamic image resolution: assumed {image}x{image} images "
+            f"({vision_spec.tokens_per_image} tokens each)")
+    return replace(spec, model_type=model_type, architecture=_arch(f), vision=vision_spec,
+                   assumptions=(*spec.assumptions, note))
 
 
 def glm4v_vision(f: ConfigFields, text: ModelSpec) -> VisionSpec:
@@ -222,38 +235,42 @@ def glm4v_vision(f: ConfigFields, text: ModelSpec) -> VisionSpec:
     )
 
 
+# LLaVA-repo model_type (after the "moe_llava_"/"llava_" prefix) -> the decoder family it wraps
+_LLAVA_REPO_BASES = {"": "llama", "llama": "llama", "phi": "phi", "mistral": "mistral",
+                     "qwen1_5": "qwen2", "qwen2": "qwen2"}
+
+
 def moe_llava_spec(f: ConfigFields, name: str, model_type: str) -> ModelSpec:
-    """MoE-LLaVA (PKU-YuanGroup, remote code): Phi-2/StableLM/Qwen LM + CLIP + MoE MLPs.
+    """LLaVA-repo formats (remote code): MoE-LLaVA (PKU-YuanGroup) and original LLaVA.
 
     moellava/model/language_model/llava_phi_moe.py: the MLP of each layer in
     moe["moe_layers_idx"] becomes a DeepSpeed MoE of moe["num_experts"] copies of that
     MLP with a bias-free router (TopKGate.wg: hidden -> experts), top moe["top_k_experts"];
     MoELLaVAPhiForCausalLM.lm_head has no bias. The image tower is named by
-    mm_image_tower; the projector is image_projector_type (mlp2x_gelu: two Linear).
+    mm_image_tower (mm_vision_tower in LLaVA); the projector is image_projector_type
+    (mm_projector_type in LLaVA), mlp2x_gelu = two Linear.
     """
-    base_type = {"moe_llava_phi": "phi", "llava_phi": "phi", "moe_llava_qwen1_5": "qwen2",
-                 "moe_llava_stablelm": "stablelm"}.get(model_type)
-    if base_type not in {"phi", "qwen2"}:
+    suffix = model_type.removeprefix("moe_llava").removeprefix("llava").lstrip("_")
+    base_type = _LLAVA_REPO_BASES.get(suffix)
+    if base_type is None:
         raise ModelConfigError(
-            f"{f.where}: model_type '{model_type}' is not supported; oomless reads "
-            "moe_llava_phi and moe_llava_qwen1_5 MoE-LLaVA configs."
+            f"{f.where}: model_type '{model_type}' is not supported; oomless reads LLaVA-repo "
+            f"configs over {', '.join(sorted(set(_LLAVA_REPO_BASES.values())))} decoders."
         )
     spec = decoder_spec(f, name, base_type)
+    notes = list(spec.assumptions)
     moe = f.get("moe") or {}
     if moe.get("moe_enable", bool(moe)):
-        layers = tuple(int(i) for i in moe.get("moe_layers_idx") or range(0, spec.num_layers, 2))
-        experts = moe.get("num_experts") or [4]
-        counts = set(experts) if isinstance(experts, list) else {experts}
-        if len(counts) != 1:
-            raise ModelConfigError(f"{f.where}: moe.num_experts differs between layers ({sorted(counts)}); unsupported.")
-        if moe.get("use_residual"):
-            raise ModelConfigError(f"{f.where}: moe.use_residual (residual MoE) is not supported.")
-        spec = replace(spec, num_experts=counts.pop(), experts_per_token=int(moe.get("top_k_experts", 2)),
-                       moe_intermediate_size=spec.intermediate_size, moe_layer_indices=layers)
+        spec = _with_moe_layers(f, spec, moe)
+        notes.append(
+            "MoE-LLaVA: each MoE layer holds num_experts copies of the dense MLP plus a "
+            "bias-free router; top-k routing with DeepSpeed capacity factors is modelled as "
+            "experts_per_token active experts (capacity-based token dropping ignored)"
+        )
     spec = replace(spec, model_type=model_type, architecture=_arch(f), lm_head_bias=False)
     tower_name = f.get("mm_image_tower") or f.get("mm_vision_tower")
     if tower_name is None:
-        return spec
+        return replace(spec, assumptions=tuple(notes))
     if tower_name not in KNOWN_VISION_TOWERS:
         raise ModelConfigError(
             f"{f.where}: image tower '{tower_name}' is unknown to oomless; known: "
@@ -267,7 +284,24 @@ def moe_llava_spec(f: ConfigFields, name: str, model_type: str) -> ModelSpec:
         image_size=facts["image_size"], tokens_per_image=facts["patches"],  # CLS dropped ("patch")
         param_count=tower + projector, projector_params=projector, kind="clip",
     )
-    return replace(spec, vision=vision)
+    notes.append(f"vision tower {tower_name}: shapes from its released config.json")
+    return replace(spec, vision=vision, assumptions=tuple(notes))
+
+
+def _with_moe_layers(f: ConfigFields, spec: ModelSpec, moe: dict) -> ModelSpec:
+    layers = tuple(int(i) for i in moe.get("moe_layers_idx") or range(0, spec.num_layers, 2))
+    experts = moe.get("num_experts") or [4]
+    counts = set(experts) if isinstance(experts, list) else {experts}
+    if len(counts) != 1:
+        raise ModelConfigError(
+            f"{f.where}: moe.num_experts differs between layers ({sorted(counts)}); unsupported."
+        )
+    if moe.get("use_residual"):
+        raise ModelConfigError(f"{f.where}: moe.use_residual (residual MoE) is not supported.")
+    return replace(
+        spec, num_experts=int(counts.pop()), experts_per_token=int(moe.get("top_k_experts", 2)),
+        moe_intermediate_size=spec.intermediate_size, moe_layer_indices=layers,
+    )
 
 
 def _projector_params(f: ConfigFields, vision_h: int, text_h: int) -> int:

@@ -110,6 +110,9 @@ class ModelSpec:
     other_params: int = 0  # parameters outside the shapes above (learned positions, ...)
     dtype: str = "bfloat16"  # torch_dtype of the released weights
     aliases: tuple[str, ...] = field(default=(), compare=False)
+    # what reading the config had to assume (defaults, image size, unknown families);
+    # estimates should pass these on in their own assumptions
+    assumptions: tuple[str, ...] = field(default=(), compare=False)
 
     # ---- derived shapes -------------------------------------------------
     @property
@@ -245,6 +248,7 @@ class ModelSpec:
         d = asdict(self)
         d["aliases"] = list(self.aliases)
         d["moe_layer_indices"] = list(self.moe_layer_indices)
+        d["assumptions"] = list(self.assumptions)
         return d
 
     @classmethod
@@ -255,4 +259,5 @@ class ModelSpec:
             kwargs["vision"] = VisionSpec(**kwargs["vision"])
         kwargs["aliases"] = tuple(kwargs.get("aliases", ()))
         kwargs["moe_layer_indices"] = tuple(kwargs.get("moe_layer_indices", ()))
+        kwargs["assumptions"] = tuple(kwargs.get("assumptions", ()))
         return cls(**kwargs)
