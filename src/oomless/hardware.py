@@ -111,21 +111,25 @@ def get_gpu(name: str) -> GPUSpec:
 
 
 _COUNT = re.compile(r"^(?P<name>.+?)\s*[x×*]\s*(?P<count>\d+)$", re.IGNORECASE)
+_LEADING_COUNT = re.compile(r"^(?P<count>\d+)\s*[x×*]\s*(?P<name>.+)$", re.IGNORECASE)
+
+
+def _split_count(text: str) -> tuple[GPUSpec, int]:
+    """(gpu, count) from "4090x8", "a100-40gb x8", "H100 * 4", "8xA100" or a bare name."""
+    for pattern in (_COUNT, _LEADING_COUNT):
+        match = pattern.match(text)
+        if match and match.group("name").lower() != "rt":  # "rtx4090" is a name, not "rt" x 4090
+            try:
+                return get_gpu(match.group("name")), int(match.group("count"))
+            except UnknownGPUError:
+                continue
+    return get_gpu(text), 1
 
 
 def parse_gpu_arg(text: str, nodes: int = 1, host_ram_bytes: int | None = None) -> Cluster:
-    """Parse ``--gpu`` values: "4090", "4090x8", "a100-40gb x8", "H100 * 4"."""
+    """Parse ``--gpu`` values: "4090", "4090x8", "a100-40gb x8", "H100 * 4", "8xA100"."""
     text = text.strip()
-    match = _COUNT.match(text)
-    count = 1
-    if match and match.group("name").lower() not in {"", "rt"}:
-        try:
-            gpu = get_gpu(match.group("name"))
-            count = int(match.group("count"))
-        except UnknownGPUError:
-            gpu = get_gpu(text)
-    else:
-        gpu = get_gpu(text)
+    gpu, count = _split_count(text)
     if count < 1 or nodes < 1:
         raise UnknownGPUError(f"--gpu '{text}' with {nodes} node(s): counts must be at least 1")
     return Cluster(gpu=gpu, gpus_per_node=count, nodes=nodes, host_ram_bytes=host_ram_bytes)
