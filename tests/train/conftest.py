@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from train_helpers import tiny_run_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -22,3 +23,12 @@ def tiny_tokenizer(tiny_model_dir):
     from oomless.runtime.data import load_tokenizer
 
     return load_tokenizer(str(tiny_model_dir))
+
+
+@pytest.fixture
+def run_config(tiny_model_dir, tmp_path):
+    def make(name="run", **overrides):
+        return tiny_run_config(tiny_model_dir, tmp_path / name, **overrides)
+
+    return make
+

@@ -1,0 +1,440 @@
+"""The training loop: exact OOM recovery, memory log, checkpoints, resume.
+
+Why our own loop and not a ``transformers.Trainer`` subclass: recovering from
+an OOM *without changing the training* needs control over which samples an
+optimizer step uses and how they are cut into micro batches. Trainer pulls
+fixed-size batches from a DataLoader inside its ~600-line inner loop, so a
+retry would either skip those samples or repeat them. Here a step is a list
+of sample indices (runtime/batches.py), cut into micro batches of the
+current size; the loss is the sum of token losses divided by the label
+tokens of the *whole* optimizer step (all ranks), so any cut gives the same
+gradient. On an OOM every rank learns about it through one all_reduce, drops
+the step's gradients, restores the RNG, halves the micro batch (doubling the
+accumulation) and redoes the same step with the same samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import RunConfig
+from ..errors import ConfigError, OomlessError
+from . import checkpoint as ckpt
+from .batches import SampleSchedule, collate, label_tokens, micro_batches
+from .data import load_examples, load_tokenizer
+from .dist import Dist, init_dist
+from .loading import build_optimizer, build_scheduler, enable_grad_ckpt, load_model, torch_dtypes
+from .memlog import Progress, RunLog, device_memory, truncate_after
+from .oom import (
+    FaultInjector,
+    TrainingOOMError,
+    budget_mode,
+    diagnosis,
+    next_setting,
+    release_memory,
+    state_tensors,
+    storage_bytes,
+)
+
+
+class TrainingInterrupted(OomlessError):
+    """SIGINT/SIGTERM: a checkpoint was written; ``--resume`` continues."""
+
+    exit_code = 130
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    eval_losses: list[float] = field(default_factory=list)
+    micro_batch_size: int = 1
+    grad_ckpt: bool = False
+    predicted_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    final_dir: Path | None = None
+
+
+def token_loss_sum(logits: Any, labels: Any) -> Any:
+    """Sum of next-token cross-entropy over label tokens (fp32 logits)."""
+    import torch.nn.functional as F
+
+    shift_logits = logits[:, :-1, :].float()
+    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)),
+                           labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+
+
+def predicted_estimate(cfg: RunConfig, model_dir: Path) -> Any:
+    """The lead's analytic estimate of this run (None where the model is not modelled)."""
+    from ..catalog import resolve_model
+    from ..errors import ModelConfigError, UnknownModelError
+    from ..hardware import Cluster, get_gpu
+    from ..memory import estimate_training
+
+    try:
+        spec = resolve_model(str(model_dir)).spec
+    except (UnknownModelError, ModelConfigError):
+        return None
+    h = cfg.hardware
+    cluster = Cluster(get_gpu(h.gpu), h.gpus_per_node, h.nodes) if h.gpu else None
+    return estimate_training(spec, cfg, cluster)
+
+
+class _Signals:
+    """SIGINT/SIGTERM set a flag; the loop checkpoints after the current step."""
+
+    def __init__(self) -> None:
+        self.caught: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _Signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread: leave handlers alone
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.caught = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
+                 progress: bool = False,
+                 on_step_end: Callable[[Trainer, dict[str, Any]], None] | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir or cfg.training.output_dir)
+        self.resume = resume
+        self.show_progress = progress
+        self.on_step_end = on_step_end
+        self.micro_batch_size = cfg.micro_batch_size
+        self.grad_ckpt = cfg.grad_ckpt
+        self.eval_batch_size = cfg.eval_batch_size
+        self.step = 0  # optimizer steps completed
+        self.eval_round = 0
+        self.tracked_peak_bytes = 0
+
+    # ---- setup ----------------------------------------------------------------
+    def _setup(self) -> None:
+        from .loading import resolve_model_dir
+
+        cfg, t = self.cfg, self.cfg.training
+        self.dist: Dist = init_dist()
+        self.device = self.dist.device
+        if not cfg.data.train_file:
+            raise ConfigError("data.train_file is not set; point it at a .jsonl, .json or "
+                              ".parquet file of training records")
+        seed_everything(t.seed)  # same seed on every rank: identical initial replicas
+        model_dir = resolve_model_dir(cfg.model)
+        self.log = RunLog(self.run_dir, enabled=self.dist.is_main, resume=self.resume)
+        self.tokenizer = load_tokenizer(str(model_dir), t.trust_remote_code)
+        rd = self.run_dir if self.dist.is_main else None
+        self.train_data = load_examples(cfg.data.train_file, self.tokenizer, cfg.data,
+                                        cfg.seq_len, rd)
+        self.eval_data = (load_examples(cfg.data.eval_file, self.tokenizer, cfg.data,
+                                        cfg.seq_len, rd, "eval_token_stats.json")
+                          if cfg.data.eval_file else None)
+        self.model, self.model_dir = load_model(cfg, self.device)
+        _, self.autocast_dtype = torch_dtypes(cfg, self.device.type)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(cfg, self.params, self.device.type)
+        self.schedule = SampleSchedule(len(self.train_data.examples),
+                                       cfg.micro_batch_size * cfg.grad_accum * self.dist.world_size,
+                                       self.dist.world_size, t.seed)
+        self.total_steps = self.schedule.total_steps(t.epochs, t.max_steps)
+        self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
+        self.injector = FaultInjector(t.inject_oom, self.dist.rank)
+        self.estimate = predicted_estimate(cfg, self.model_dir)
+        self.predicted_peak_bytes = self.estimate.peak_allocated_bytes if self.estimate else None
+        self.pad_id = self.tokenizer.pad_token_id
+
+    def _write_run_files(self) -> None:
+        from ..config import dump_run_config
+        from .data import write_json_atomic
+
+        if not self.dist.is_main:
+            return
+        (self.run_dir / "oomless.yaml").write_text(dump_run_config(self.cfg))
+        if self.estimate is not None:
+            write_json_atomic(self.run_dir / "estimate.json", self.estimate.to_dict())
+
+    def _maybe_resume(self) -> None:
+        if not self.resume:
+            return
+        folder = ckpt.latest_checkpoint(self.run_dir)
+        if folder is None:
+            raise ConfigError(f"--resume: no checkpoint in '{self.run_dir / ckpt.CHECKPOINTS}'; "
+                              "start without --resume")
+        state = ckpt.restore(folder, self.model, self.optimizer, self.scheduler, self.dist.rank)
+        if state["schedule"] != self._schedule_dict():
+            raise ConfigError(f"--resume: checkpoint '{folder}' was made with a different data "
+                              f"size or effective batch ({state['schedule']}); resume with the "
+                              "same data and batch settings")
+        self.step = state["step"]
+        self.eval_round = state.get("eval_round", 0)
+        self.micro_batch_size = state["micro_batch_size"]
+        self.eval_batch_size = state["eval_batch_size"]
+        self.injector.load_state_dict(state.get("fault_injection", {}))
+        if state["grad_ckpt"] and not self.grad_ckpt:
+            enable_grad_ckpt(self.model)
+            self.grad_ckpt = True
+        if self.dist.is_main:
+            truncate_after(self.run_dir, self.step)
+        self.log.event("resume", f"resumed from {folder.name}", self.step,
+                       micro_batch_size=self.micro_batch_size, grad_ckpt=self.grad_ckpt)
+
+    def _schedule_dict(self) -> dict[str, int]:
+        s = self.schedule
+        return {"num_samples": s.num_samples, "effective_batch": s.effective_batch,
+                "world_size": s.world_size, "seed": s.seed}
+
+    # ---- one optimizer step ---------------------------------------------------------------
+    def _autocast(self) -> Any:
+        import torch
+
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _accumulate(self, indices: list[int], denom: float) -> float:
+        """Forward and backward every micro batch of one step; returns the loss sum."""
+        chunks = micro_batches(indices, self.micro_batch_size)
+        budget = self.cfg.training.memory_budget_gb
+        mode = (budget_mode(budget, storage_bytes(state_tensors(self.model, self.optimizer)))
+                if budget else contextlib.nullcontext())
+        loss_total = 0.0
+        try:
+            with mode:
+                for i, chunk in enumerate(chunks):
+                    batch = collate([self.train_data.examples[j] for j in chunk], self.pad_id,
+                                    self.device)
+                    labels = batch.pop("labels")
+                    with self._autocast():
+                        logits = self.model(**batch).logits
+                    loss_sum = token_loss_sum(logits, labels)
+                    del logits
+                    self.injector.check("train", self.step + 1, i, len(chunks))
+                    (loss_sum / denom).backward()
+                    loss_total += loss_sum.item()
+                    del loss_sum, batch, labels
+        finally:
+            if budget:
+                self.tracked_peak_bytes = max(self.tracked_peak_bytes, mode.peak_bytes)
+        return loss_total
+
+    def _recover(self, step: int, indices: list[int], error: str, ranks: list[int]) -> None:
+        release_memory(self.optimizer, self.device)
+        before = self.micro_batch_size
+        rec = next_setting(self.micro_batch_size, self.grad_ckpt)
+        if rec is None:
+            longest = max(len(self.train_data.examples[j]) for j in indices)
+            budget = self.cfg.training.memory_budget_gb
+            text = diagnosis(step, longest, self.predicted_peak_bytes,
+                             int(budget * 2**30) if budget else None, error)
+            self.log.event("oom_unrecoverable", text, step, ranks=ranks)
+            raise TrainingOOMError(text)
+        self.micro_batch_size = rec.micro_batch_size
+        if rec.grad_ckpt and not self.grad_ckpt:
+            enable_grad_ckpt(self.model)
+            self.grad_ckpt = True
+        per_rank = len(indices)
+        self.log.event("oom", f"OOM at step {step} on rank(s) {ranks}: {rec.action}; redoing "
+                       "the same step with the same samples", step, ranks=ranks, error=error,
+                       micro_batch_before=before, micro_batch_after=self.micro_batch_size,
+                       grad_accum_after=math.ceil(per_rank / self.micro_batch_size),
+                       grad_ckpt=self.grad_ckpt, effective_batch=self.schedule.effective_batch)
+
+    def _train_step(self) -> dict[str, Any]:
+        import torch
+
+        step = self.step + 1
+        indices = self.schedule.step_indices(self.step, self.dist.rank)
+        examples = [self.train_data.examples[j] for j in indices]
+        denom = self.dist.all_reduce([float(label_tokens(examples))])[0]
+        rng = ckpt.rng_state()
+        start = time.perf_counter()
+        while True:
+            error = ""
+            try:
+                loss_sum = self._accumulate(indices, denom)
+            except torch.OutOfMemoryError as err:
+                error = str(err).splitlines()[0]
+            flags = self.dist.gather([1.0 if error else 0.0])
+            ranks = [r for r, f in enumerate(flags) if f[0]]
+            if not ranks:
+                break
+            self._recover(step, indices, error or "OOM on another rank", ranks)
+            ckpt.set_rng_state(rng)
+        self.dist.sum_gradients(self.params)
+        grad_norm = None
+        if self.cfg.training.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
+                                                             self.cfg.training.max_grad_norm))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        n_tokens = float(sum(len(e) for e in examples))
+        loss_sum, n_tokens = self.dist.all_reduce([loss_sum, n_tokens])
+        elapsed = time.perf_counter() - start
+        self.step = step
+        return {"step": step, "loss": loss_sum / denom, "lr": lr, "tokens": int(n_tokens),
+                "label_tokens": int(denom), "step_time_s": round(elapsed, 6),
+                "tokens_per_s": round(n_tokens / elapsed, 2), "grad_norm": grad_norm,
+                "micro_batch_size": self.micro_batch_size,
+                "grad_accum": math.ceil(len(indices) / self.micro_batch_size),
+                "grad_ckpt": self.grad_ckpt, "samples": indices}
+
+    def _memory_fields(self) -> dict[str, Any]:
+        mem = device_memory(self.device)
+        keys = sorted(mem)
+        per_rank = self.dist.gather([float(mem[k]) for k in keys])
+        out: dict[str, Any] = {}
+        for i, k in enumerate(keys):
+            values = [int(r[i]) for r in per_rank]
+            out[k] = values if k != "host_rss_bytes" else max(values)
+        if self.cfg.training.memory_budget_gb and self.device.type == "cpu":
+            out["simulated_peak_bytes"] = self.tracked_peak_bytes
+        out["predicted_peak_bytes"] = self.predicted_peak_bytes
+        return out
+
+    # ---- checkpoints ------------------------------------------------------------------
+    def save_checkpoint(self) -> Path | None:
+        tmp = ckpt.prepare_tmp(self.run_dir, self.step) if self.dist.is_main else None
+        self.dist.barrier()
+        tmp = Path(self.dist.broadcast_str(str(tmp) if tmp else None))
+        ckpt.write_rank_rng(tmp, self.dist.rank)
+        self.dist.barrier()
+        final = None
+        if self.dist.is_main:
+            state = {"step": self.step, "eval_round": self.eval_round,
+                     "micro_batch_size": self.micro_batch_size,
+                     "eval_batch_size": self.eval_batch_size, "grad_ckpt": self.grad_ckpt,
+                     "schedule": self._schedule_dict(),
+                     "data_position": self.schedule.position(self.step),
+                     "fault_injection": self.injector.state_dict()}
+            ckpt.write_main(tmp, self.model, self.optimizer, self.scheduler, state)
+            final = ckpt.publish(self.run_dir, tmp, self.step, self.cfg.training.save_total_limit)
+            self.log.event("checkpoint", f"checkpoint {final.name}", self.step, path=str(final))
+        self.dist.barrier()
+        return final
+
+    # ---- the run ---------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        self._setup()
+        try:
+            return self._run()
+        finally:
+            self.dist.close()
+
+    def _run(self) -> TrainResult:
+        from .evaluate import Evaluator
+
+        self._maybe_resume()
+        self._write_run_files()
+        t = self.cfg.training
+        evaluator = Evaluator(self) if self.eval_data else None
+        result = TrainResult(self.run_dir, self.step)
+        bar = Progress(self.total_steps, self.step, self.show_progress and self.dist.is_main)
+        self.model.train()
+        try:
+            with _Signals() as signals:
+                while self.step < self.total_steps:
+                    record = self._train_step()
+                    record.update(self._memory_fields())
+                    if self.step % t.logging_steps == 0 or self.step == self.total_steps:
+                        self.log.step(record)
+                    result.losses.append(record["loss"])
+                    bar.update(self.step, f"loss {record['loss']:.4f}")
+                    if evaluator and self.cfg.eval.steps and self.step % self.cfg.eval.steps == 0:
+                        result.eval_losses.append(evaluator.run()["eval_loss"])
+                    if t.save_steps and self.step % t.save_steps == 0:
+                        self.save_checkpoint()
+                    if self.on_step_end:
+                        self.on_step_end(self, record)
+                    if self.dist.any_true(signals.caught is not None):
+                        folder = self.save_checkpoint()
+                        self.log.event("interrupted", "stopped by a signal; checkpoint "
+                                       "written", self.step, checkpoint=str(folder))
+                        raise TrainingInterrupted(
+                            f"stopped at step {self.step}/{self.total_steps}; checkpoint in "
+                            f"'{self.run_dir / ckpt.CHECKPOINTS}'. Continue with: "
+                            "oomless train CONFIG --resume")
+        finally:
+            bar.close()
+        if evaluator and not (self.cfg.eval.steps and self.step % self.cfg.eval.steps == 0):
+            result.eval_losses.append(evaluator.run()["eval_loss"])
+        return self._finish(result)
+
+    def _finish(self, result: TrainResult) -> TrainResult:
+        from .data import write_json_atomic
+
+        self.save_checkpoint()
+        result.steps = self.step
+        result.micro_batch_size, result.grad_ckpt = self.micro_batch_size, self.grad_ckpt
+        result.predicted_peak_bytes = self.predicted_peak_bytes
+        result.measured_peak_bytes = self._measured_peak()
+        if self.dist.is_main:
+            final = self.run_dir / "final"
+            tmp = ckpt.prepare_tmp(self.run_dir, 0)
+            ckpt.save_weights(self.model, tmp)
+            self.tokenizer.save_pretrained(str(tmp))
+            if final.exists():
+                import shutil
+
+                shutil.rmtree(final)
+            tmp.rename(final)
+            result.final_dir = final
+            write_json_atomic(self.run_dir / "summary.json", summary_dict(result, self))
+        return result
+
+    def _measured_peak(self) -> int | None:
+        import torch
+
+        if self.device.type == "cuda":
+            return int(self.dist.all_reduce([float(torch.cuda.max_memory_allocated())],
+                                            op="max")[0])
+        if self.cfg.training.memory_budget_gb:
+            return int(self.dist.all_reduce([float(self.tracked_peak_bytes)], op="max")[0])
+        return None
+
+
+def summary_dict(result: TrainResult, trainer: Trainer) -> dict[str, Any]:
+    return {"steps": result.steps, "first_loss": result.losses[0] if result.losses else None,
+            "final_loss": result.losses[-1] if result.losses else None,
+            "eval_losses": result.eval_losses, "micro_batch_size": result.micro_batch_size,
+            "grad_ckpt": result.grad_ckpt, "effective_batch": trainer.schedule.effective_batch,
+            "predicted_peak_bytes": result.predicted_peak_bytes,
+            "measured_peak_bytes": result.measured_peak_bytes,
+            "measured_peak_kind": ("cuda max_memory_allocated" if trainer.device.type == "cuda"
+                                   else "simulated (tracked tensors)" if
+                                   result.measured_peak_bytes else None),
+            "final_dir": str(result.final_dir) if result.final_dir else None}
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False,
+          progress: bool = False, on_step_end: Callable | None = None) -> TrainResult:
+    """Fine-tune as ``cfg`` says; the run folder gets logs, checkpoints and the result."""
+    return Trainer(cfg, Path(run_dir) if run_dir else None, resume, progress, on_step_end).run()

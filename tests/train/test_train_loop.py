@@ -1,0 +1,95 @@
+"""End-to-end training of the tiny model: loss falls, the run folder is complete."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oomless.errors import ConfigError
+from oomless.runtime.memlog import read_steps
+from oomless.runtime.train import train
+
+STEP_KEYS = {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "host_rss_bytes",
+             "predicted_peak_bytes", "micro_batch_size", "grad_accum", "samples"}
+
+
+def test_lora_training_lowers_the_loss_and_writes_the_run_folder(run_config):
+    cfg = run_config(**{"training.max_steps": 12, "training.learning_rate": 1e-2})
+    result = train(cfg)
+    run = result.run_dir
+    assert result.steps == 12
+    assert sum(result.losses[-3:]) / 3 < sum(result.losses[:3]) / 3 - 0.2
+    steps = read_steps(run)
+    assert [s["step"] for s in steps] == list(range(1, 13))
+    assert STEP_KEYS <= set(steps[0])
+    assert all(s["tokens"] > 0 and s["host_rss_bytes"] > 0 for s in steps)
+    assert len({i for s in steps for i in s["samples"]}) == 12 * 8  # no sample twice per epoch
+    for name in ("oomless.yaml", "token_stats.json", "summary.json",
+                 "final/adapter_model.safetensors", "final/tokenizer.json",
+                 "checkpoints/step-000012/trainer_state.json"):
+        assert (run / name).is_file(), name
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["final_loss"] == pytest.approx(result.losses[-1])
+
+
+def test_full_fine_tuning_updates_every_weight(run_config, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    result = train(run_config(method="full", **{"training.max_steps": 2}))
+    before = load_file(str(tiny_model_dir / "model.safetensors"))
+    after = load_file(str(result.final_dir / "model.safetensors"))
+    assert set(before) == set(after)
+    assert all(not before[k].equal(after[k]) for k in after if "norm" not in k)
+
+
+def test_eval_and_predict_with_generate(run_config):
+    from oomless.runtime.tiny import demo_data_path
+
+    cfg = run_config(**{"data.eval_file": str(demo_data_path()), "eval.batch_size": 50,
+                        "eval.predict_with_generate": True, "eval.max_new_tokens": 4,
+                        "eval.steps": 3, "training.max_steps": 3})
+    result = train(cfg)
+    assert len(result.eval_losses) == 1
+    rows = (result.run_dir / "predictions-step000003-rank0.jsonl").read_text().splitlines()
+    assert len(rows) == 200
+    assert {"prediction", "reference", "exact_match"} <= set(json.loads(rows[0]))
+    metrics = json.loads((result.run_dir / "eval.jsonl").read_text())
+    assert 0 <= metrics["exact_match"] <= 1
+
+
+def test_packing_trains(run_config):
+    result = train(run_config(**{"data.packing": True, "seq_len": 128, "micro_batch_size": 2,
+                                 "grad_accum": 1, "training.max_steps": 2}))
+    assert result.steps == 2
+
+
+def test_qlora_on_cpu_is_a_clear_error(run_config):
+    with pytest.raises(ConfigError, match="qlora needs an NVIDIA GPU"):
+        train(run_config(method="qlora", precision="bf16"))
+
+
+def test_missing_train_file_and_unknown_model(run_config, tmp_path):
+    from oomless.errors import UnknownModelError
+
+    with pytest.raises(ConfigError, match="data.train_file is not set"):
+        train(run_config(**{"data.train_file": None}))
+    with pytest.raises(UnknownModelError, match="not a local folder|neither a local folder"):
+        train(run_config(model="no-such-org/no-such-model"))
+
+
+def test_remote_code_needs_the_config_switch(run_config, tiny_model_dir, tmp_path):
+    import shutil
+
+    remote = tmp_path / "remote"
+    shutil.copytree(tiny_model_dir, remote)
+    config = json.loads((remote / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (remote / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="trust_remote_code: true"):
+        train(run_config(model=str(remote)))
+
+
+def test_too_little_data_for_one_step(run_config):
+    with pytest.raises(ConfigError, match="fewer than one optimizer step"):
+        train(run_config(micro_batch_size=64, grad_accum=4))
