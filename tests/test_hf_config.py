@@ -348,3 +348,40 @@ def test_vlm_top_level_tie_applies_to_text():
     config["tie_word_embeddings"] = True
     spec = spec_from_hf_config(config, "x")
     assert spec.tie_embeddings and spec.num_layers == 28
+
+
+# ---- configs as transformers 5 writes them ---------------------------------------------
+_SAVED_FORMATS = [
+    ("LlamaConfig", "LlamaForCausalLM", {"num_hidden_layers": 2}),
+    ("MistralConfig", "MistralForCausalLM", {"num_hidden_layers": 2}),
+    ("Qwen2Config", "Qwen2ForCausalLM", {"num_hidden_layers": 2}),
+    ("Qwen3Config", "Qwen3ForCausalLM", {"num_hidden_layers": 2}),
+    ("GemmaConfig", "GemmaForCausalLM", {"num_hidden_layers": 2}),
+    ("Gemma2Config", "Gemma2ForCausalLM", {"num_hidden_layers": 2}),
+    ("PhiConfig", "PhiForCausalLM", {"num_hidden_layers": 2}),
+    ("Phi3Config", "Phi3ForCausalLM", {"num_hidden_layers": 2}),
+    ("GlmConfig", "GlmForCausalLM", {"num_hidden_layers": 2}),
+    ("Glm4Config", "Glm4ForCausalLM", {"num_hidden_layers": 2}),
+    ("MixtralConfig", "MixtralForCausalLM", {"num_hidden_layers": 2}),
+    ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_hidden_layers": 2}),
+    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_hidden_layers": 2}),
+    ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration",
+     {"text_config": {"num_hidden_layers": 2}, "vision_config": {"depth": 2}}),
+    ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+     {"text_config": {"num_hidden_layers": 2}, "vision_config": {"depth": 2}}),
+    ("LlavaConfig", "LlavaForConditionalGeneration",
+     {"text_config": {"num_hidden_layers": 2}, "vision_config": {"num_hidden_layers": 2}}),
+]
+
+
+@pytest.mark.parametrize(("config_cls", "model_cls", "kwargs"), _SAVED_FORMATS)
+def test_transformers_saved_configs_count_exactly(config_cls, model_cls, kwargs):
+    """A config dict as transformers' own to_dict() writes it (defaults, nested sub-configs)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, config_cls)(**kwargs)
+    saved = json.loads(json.dumps(config.to_dict()))
+    with torch.device("meta"):
+        model = getattr(transformers, model_cls)(config)
+    spec = spec_from_hf_config(saved, config_cls)
+    assert spec.param_count == sum(p.numel() for p in model.parameters())
