@@ -19,6 +19,7 @@ from oomless.hf_config import (
     chatglm_to_glm,
     find_cached_config,
     load_hf_config,
+    locate_hf_config,
     spec_from_hf_config,
 )
 from oomless.spec import ModelSpec
@@ -206,7 +207,7 @@ def test_unknown_vision_tower_is_named():
 # ---- errors -------------------------------------------------------------------------
 def test_missing_field_names_field_and_file():
     path = FIXTURES / "llama_missing_hidden_size.json"
-    config, _ = load_hf_config(str(path))
+    config = load_hf_config(str(path))
     with pytest.raises(ModelConfigError, match=r"llama_missing_hidden_size\.json.*'hidden_size'"):
         spec_from_hf_config(config, "x", where=str(path))
 
@@ -231,9 +232,10 @@ def test_not_an_object():
 # ---- loading from disk and from the HF cache -------------------------------------------
 def test_load_from_file_and_folder():
     folder = FIXTURES / "glm-4-9b-chat"
-    by_folder, path = load_hf_config(str(folder))
-    by_file, _ = load_hf_config(str(folder / "config.json"))
-    assert by_folder == by_file and path.name == "config.json"
+    by_folder = load_hf_config(str(folder))
+    by_file = load_hf_config(str(folder / "config.json"))
+    assert by_folder == by_file
+    assert locate_hf_config(str(folder)) == folder / "config.json"
     assert spec_from_hf_config(by_file, "x").param_count == 9_399_951_360
 
 
@@ -269,8 +271,8 @@ def test_hf_cache_lookup(tmp_path, monkeypatch, ref):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     expected = _fake_cache(tmp_path, "THUDM/glm-4-9b-chat", FIXTURES / "glm-4-9b-chat" / "config.json", ref)
     assert find_cached_config("THUDM/glm-4-9b-chat") == expected
-    config, path = load_hf_config("THUDM/glm-4-9b-chat")
-    assert path == expected and config["model_type"] == "chatglm"
+    assert locate_hf_config("THUDM/glm-4-9b-chat") == expected
+    assert load_hf_config("THUDM/glm-4-9b-chat")["model_type"] == "chatglm"
     assert find_cached_config("THUDM/other") is None
 
 

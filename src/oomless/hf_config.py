@@ -391,8 +391,8 @@ def config_path_for(path_or_id: str) -> Path | None:
     return find_cached_config(path_or_id)
 
 
-def load_hf_config(path_or_id: str) -> tuple[dict[str, Any], Path]:
-    """Read config.json from a file, a model folder, or a model id in the local HF cache (offline)."""
+def locate_hf_config(path_or_id: str) -> Path:
+    """The config.json a file, a model folder or a model id in the local HF cache names."""
     path = config_path_for(path_or_id)
     if path is None:
         caches = ", ".join(str(d) for d in hf_cache_dirs())
@@ -401,4 +401,9 @@ def load_hf_config(path_or_id: str) -> tuple[dict[str, Any], Path]:
             f"in the local Hugging Face cache ({caches}). oomless works offline: download "
             "the model (or just its config.json) first, or pass a catalog name (`oomless models`)."
         )
-    return read_config_file(path), path
+    return path
+
+
+def load_hf_config(path_or_id: str) -> dict[str, Any]:
+    """Read config.json from a file, a model folder, or a model id in the local HF cache (offline)."""
+    return read_config_file(locate_hf_config(path_or_id))
