@@ -8,7 +8,8 @@ fields are checked against transformers' meta-device models for every catalog
 entry (tests/test_catalog_params.py).
 
 Families: dense decoders (llama, mistral, qwen2, qwen3, gemma, gemma2, phi,
-phi3, glm, glm4, starcoder2-like llama variants), mixture-of-experts
+phi3, glm, glm4; other model types are read as llama-style decoders and say
+so in ``ModelSpec.assumptions``), mixture-of-experts
 (mixtral, qwen2_moe, qwen3_moe, MoE-LLaVA), ChatGLM/GLM-4 (``chatglm``), and
 vision-language models (llava, qwen2_vl, qwen2_5_vl, GLM-4V, MoE-LLaVA); the
 vision towers are in :mod:`oomless.hf_vision`.
@@ -91,7 +92,6 @@ LLAMA_DEFAULTS: dict[str, Any] = {
 _FAMILY: dict[str, dict[str, Any]] = {
     "llama": {"tie": False},
     "mistral": {"tie": False},
-    "ministral": {"tie": False},
     "qwen2": {"tie": False, "bias": "qkv_always"},  # Qwen2Attention: q/k/v bias=True, o_proj none
     "qwen3": {"tie": False, "qk_norm": True},  # Qwen3Attention: q_norm/k_norm over head_dim
     "gemma": {"tie": True},
@@ -103,7 +103,6 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "mixtral": {"tie": False},
     "qwen2_moe": {"tie": False, "bias": "qkv_always"},
     "qwen3_moe": {"tie": False, "qk_norm": True},
-    "starcoder2": {"tie": True, "plain_mlp": True, "norm": "layer", "bias": "always"},
 }
 
 # Model types transformers implements under the same name; for others the
