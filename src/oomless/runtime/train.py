@@ -123,7 +123,8 @@ class Trainer:
         self.eval_batch_size = cfg.eval_batch_size
         self.step = 0  # optimizer steps completed
         self.eval_round = 0
-        self.tracked_peak_bytes = 0
+        self.tracked_peak_bytes = 0  # simulated budget mode: highest step peak so far
+        self.step_peak_bytes = 0
 
     # ---- setup ----------------------------------------------------------------
     def _setup(self) -> None:
@@ -214,23 +215,22 @@ class Trainer:
         mode = (budget_mode(budget, storage_bytes(state_tensors(self.model, self.optimizer)))
                 if budget else contextlib.nullcontext())
         loss_total = 0.0
-        try:
-            with mode:
-                for i, chunk in enumerate(chunks):
-                    batch = collate([self.train_data.examples[j] for j in chunk], self.pad_id,
-                                    self.device)
-                    labels = batch.pop("labels")
-                    with self._autocast():
-                        logits = self.model(**batch).logits
-                    loss_sum = token_loss_sum(logits, labels)
-                    del logits
-                    self.injector.check("train", self.step + 1, i, len(chunks))
-                    (loss_sum / denom).backward()
-                    loss_total += loss_sum.item()
-                    del loss_sum, batch, labels
-        finally:
-            if budget:
-                self.tracked_peak_bytes = max(self.tracked_peak_bytes, mode.peak_bytes)
+        with mode:
+            for i, chunk in enumerate(chunks):
+                batch = collate([self.train_data.examples[j] for j in chunk], self.pad_id,
+                                self.device)
+                labels = batch.pop("labels")
+                with self._autocast():
+                    logits = self.model(**batch).logits
+                loss_sum = token_loss_sum(logits, labels)
+                del logits
+                self.injector.check("train", self.step + 1, i, len(chunks))
+                (loss_sum / denom).backward()
+                loss_total += loss_sum.item()
+                del loss_sum, batch, labels
+        if budget:  # the peak of the attempt that succeeded
+            self.step_peak_bytes = mode.peak_bytes
+            self.tracked_peak_bytes = max(self.tracked_peak_bytes, mode.peak_bytes)
         return loss_total
 
     def _recover(self, step: int, indices: list[int], error: str, ranks: list[int]) -> None:
@@ -305,7 +305,7 @@ class Trainer:
             values = [int(r[i]) for r in per_rank]
             out[k] = values if k != "host_rss_bytes" else max(values)
         if self.cfg.training.memory_budget_gb and self.device.type == "cpu":
-            out["simulated_peak_bytes"] = self.tracked_peak_bytes
+            out["simulated_peak_bytes"] = self.step_peak_bytes
         out["predicted_peak_bytes"] = self.predicted_peak_bytes
         return out
 
