@@ -105,11 +105,6 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"tie": False, "qk_norm": True},
 }
 
-# Model types transformers implements under the same name; for others the
-# resolver converts (chatglm -> glm) or leaves hf_config None.
-TRANSFORMERS_MODEL_TYPES = frozenset(_FAMILY) | {"llava", "qwen2_vl", "qwen2_5_vl"}
-
-
 def _dtype(f: ConfigFields) -> str:
     return str(f.get("torch_dtype") or f.get("dtype") or "bfloat16").removeprefix("torch.")
 
@@ -314,18 +309,21 @@ def spec_from_hf_config(config: dict[str, Any], name: str, where: str | None = N
 
 
 def buildable_hf_config(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The config dict transformers can build the real model from, or None.
+    """The config dict to build the real model from with transformers, or None.
 
-    In-library model types come back unchanged; GLM-4 ``chatglm`` (text only)
-    comes back as the equivalent ``glm`` config; remote-code VLMs (GLM-4V,
-    MoE-LLaVA) have no in-library class and give None.
+    GLM-4 ``chatglm`` (text only) comes back as the equivalent ``glm`` config;
+    formats with no transformers class at all (GLM-4V, the LLaVA/MoE-LLaVA repo
+    formats) give None; everything else comes back unchanged (a copy), for
+    ``AutoConfig.for_model`` to accept or to reject with its own message.
     """
-    model_type = config.get("model_type")
+    model_type = str(config.get("model_type", ""))
     if model_type == "chatglm":
         return None if config.get("vision_config") else chatglm_to_glm(config)
-    if model_type in TRANSFORMERS_MODEL_TYPES:
-        return json.loads(json.dumps(config))
-    return None
+    if model_type.startswith("moe_llava") or model_type.startswith("llava_"):
+        return None
+    if model_type == "llava" and config.get("text_config") is None:
+        return None
+    return json.loads(json.dumps(config))
 
 
 # ---- loading config.json from disk -------------------------------------
