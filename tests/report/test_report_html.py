@@ -110,3 +110,51 @@ def test_report_leaves_torch_out(run_dir: Path) -> None:
     code = ("import sys; from oomless.cli import main; main(['report', sys.argv[1]]); "
             "assert 'torch' not in sys.modules, 'report imported torch'")
     subprocess.run([sys.executable, "-c", code, str(run_dir)], check=True)
+
+
+def test_reads_what_the_training_loop_writes(tmp_path: Path) -> None:
+    """The memory log written by oomless.runtime.memlog (train's writer), CPU and GPU shapes."""
+    from oomless.runtime.memlog import RunLog
+
+    log = RunLog(tmp_path)
+    log.step({"step": 1, "loss": 2.0, "host_rss_bytes": 400 * 2**20,
+              "simulated_peak_bytes": 3 * 2**20, "predicted_peak_bytes": 5 * 2**20})
+    log.step({"step": 2, "loss": 1.9, "allocated_bytes": [2 * GiB, 3 * GiB],
+              "reserved_bytes": [4 * GiB, 4 * GiB], "peak_bytes": [5 * GiB, 6 * GiB],
+              "predicted_peak_bytes": 5 * GiB})
+    log.event("oom", "OOM at step 2 on rank(s) [0]: micro batch 4 -> 2", 2, ranks=[0],
+              micro_batch_before=4, micro_batch_after=2)
+    log.event("checkpoint", "checkpoint step-000002", 2, path="x")
+    data = load_report_data(tmp_path)
+    assert [s.step for s in data.steps] == [1, 2]
+    assert data.steps[0].simulated_peak_bytes == 3 * 2**20 and data.num_devices == 2
+    assert data.measured_peak_bytes == 6 * GiB and data.measured_peak_label == "measured peak"
+    oom, ckpt = data.events
+    assert oom.is_oom and oom.data["micro_batch_after"] == 2 and "time" not in oom.data
+    assert ckpt.is_routine and not ckpt.is_oom
+
+
+@pytest.mark.slow
+def test_report_of_a_real_tiny_training_run(tmp_path: Path) -> None:
+    """Train the tiny model for 3 steps on CPU with an injected OOM, then report the run."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from oomless.config import RunConfig
+    from oomless.runtime.tiny import build_tiny_model, demo_data_path
+    from oomless.runtime.train import train
+
+    model = build_tiny_model(tmp_path / "tiny")
+    cfg = RunConfig.model_validate({
+        "model": str(model), "method": "lora", "precision": "fp32", "micro_batch_size": 4,
+        "grad_accum": 1, "seq_len": 64, "lora": {"r": 4},
+        "data": {"train_file": str(demo_data_path())},
+        "training": {"max_steps": 3, "output_dir": str(tmp_path / "run"),
+                     "memory_budget_gb": 64, "inject_oom": [{"step": 2, "rank": 0}]},
+    })
+    run_dir = train(cfg).run_dir
+    data = load_report_data(run_dir)
+    assert len(data.steps) == 3 and any(e.is_oom for e in data.events)
+    assert data.estimate is not None and data.measured_peak_label == "simulated peak (CPU)"
+    text = render_html(data)
+    assert 'id="memory-steps"' in text and 'id="breakdown"' in text

@@ -41,6 +41,7 @@ class StepRecord:
     reserved_bytes: tuple[int, ...] = ()
     peak_bytes: tuple[int, ...] = ()
     host_rss_bytes: int | None = None
+    simulated_peak_bytes: int | None = None  # CPU runs: tracked tensor bytes (train's budget)
     predicted_peak_bytes: int | None = None
     loss: float | None = None
     lr: float | None = None
@@ -57,6 +58,11 @@ class RunEvent:
     kind: str
     message: str
     data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_routine(self) -> bool:
+        """Checkpoints and the like: listed, but not drawn on the memory chart."""
+        return self.kind.lower() in {"checkpoint", "save", "eval", "evaluation", "log"}
 
     @property
     def is_oom(self) -> bool:
@@ -81,11 +87,21 @@ class ReportData:
 
     @property
     def measured_peak_bytes(self) -> int | None:
-        """Highest per-GPU peak over all steps (falls back to reserved, allocated)."""
+        """Highest per-GPU peak over all steps (falls back to reserved, allocated, and on
+        CPU to the simulated peak of tracked tensors)."""
         values = [
             v for s in self.steps for v in (s.peak_bytes or s.reserved_bytes or s.allocated_bytes)
         ]
+        if not values:
+            values = [s.simulated_peak_bytes for s in self.steps if s.simulated_peak_bytes]
         return max(values) if values else None
+
+    @property
+    def measured_peak_label(self) -> str:
+        """What ``measured_peak_bytes`` is: GPU allocator counters, or a CPU simulation."""
+        if any(s.peak_bytes or s.reserved_bytes or s.allocated_bytes for s in self.steps):
+            return "measured peak"
+        return "simulated peak (CPU)"
 
     @property
     def predicted_peak_bytes(self) -> int | None:
@@ -141,6 +157,7 @@ def parse_step(obj: dict[str, Any], where: str) -> StepRecord:
         step=step,
         **per_device,
         host_rss_bytes=_optional_number(obj.get("host_rss_bytes", obj.get("rss_bytes")), int),
+        simulated_peak_bytes=_optional_number(obj.get("simulated_peak_bytes"), int),
         predicted_peak_bytes=_optional_number(obj.get("predicted_peak_bytes"), int),
         loss=_optional_number(obj.get("loss"), float),
         lr=_optional_number(obj.get("lr"), float),
@@ -153,7 +170,8 @@ def parse_step(obj: dict[str, Any], where: str) -> StepRecord:
 def parse_event(obj: dict[str, Any]) -> RunEvent:
     kind = str(obj.get("event") or obj.get("kind") or obj.get("type") or "event")
     step = obj.get("step")
-    data = {k: v for k, v in obj.items() if k not in {"event", "kind", "type", "step", "message"}}
+    skip = {"event", "kind", "type", "step", "message", "time"}
+    data = {k: v for k, v in obj.items() if k not in skip}
     return RunEvent(
         step=step if isinstance(step, int) and not isinstance(step, bool) else None,
         kind=kind,

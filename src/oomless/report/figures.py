@@ -43,7 +43,7 @@ def _capacity_line(fig: Any, capacity_bytes: int | None, label: str = "GPU memor
 
 def _event_markers(fig: Any, data: ReportData) -> None:
     for event in data.events:
-        if event.step is None:
+        if event.step is None or event.is_routine:
             continue
         color = "#d62728" if event.is_oom else "#2ca02c"
         side = "top left" if event.is_oom else "top right"  # an OOM and its recovery share a step
@@ -70,6 +70,10 @@ def memory_figure(data: ReportData) -> Any:
     if any(v is not None for v in host):
         fig.add_trace(go.Scatter(x=steps, y=_gib(host), mode="lines", name="host RSS",
                                  line=dict(color="#7f7f7f")))
+    simulated = [s.simulated_peak_bytes for s in data.steps]
+    if any(v is not None for v in simulated):
+        fig.add_trace(go.Scatter(x=steps, y=_gib(simulated), mode="lines+markers",
+                                 name="simulated peak (CPU)", line=dict(dash="dot")))
     logged_prediction = [s.predicted_peak_bytes for s in data.steps]
     if any(v is not None for v in logged_prediction):
         fig.add_trace(go.Scatter(x=steps, y=_gib(logged_prediction), mode="lines",
@@ -101,9 +105,10 @@ def breakdown_figure(data: ReportData) -> Any:
                              hovertemplate="%{x}<br>" + category + ": %{y:.2f} GiB<extra></extra>"))
     measured = data.measured_peak_bytes
     if measured is not None:
-        fig.add_trace(go.Bar(x=["measured peak"], y=[measured / GiB], name="measured peak",
+        label = data.measured_peak_label
+        fig.add_trace(go.Bar(x=[label], y=[measured / GiB], name=label,
                              marker=dict(color="#333333"),
-                             hovertemplate="measured peak: %{y:.2f} GiB<extra></extra>"))
+                             hovertemplate=label + ": %{y:.2f} GiB<extra></extra>"))
     fig.add_hline(y=estimate.device_peak_bytes / GiB, line=dict(color="#9467bd", dash="dot"),
                   annotation_text=f"predicted device peak {estimate.device_peak_bytes / GiB:.2f} GiB",
                   annotation_position="top left")

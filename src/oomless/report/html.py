@@ -82,10 +82,10 @@ def _summary(data: ReportData) -> list[tuple[str, str]]:
                                      f"{data.steps[-1].step})"))
     measured = data.measured_peak_bytes
     if measured is not None:
-        rows.append(("measured peak", fmt_bytes(measured)))
+        rows.append((data.measured_peak_label, fmt_bytes(measured)))
     predicted = data.predicted_peak_bytes
     if measured is not None and predicted:
-        rows.append(("measured / predicted", f"{measured / predicted:.2f}"))
+        rows.append((f"{data.measured_peak_label} / predicted", f"{measured / predicted:.2f}"))
     ooms = sum(1 for e in data.events if e.is_oom)
     rows.append(("OOM events", str(ooms)))
     return rows
@@ -98,6 +98,7 @@ def _events_table(data: ReportData) -> str:
     for e in data.events:
         cls = ' class="oom"' if e.is_oom else ""
         details = ", ".join(f"{k}={v}" for k, v in e.data.items())
+        details = details if len(details) <= 300 else details[:297] + "..."
         rows.append(f"<tr{cls}><td>{'' if e.step is None else e.step}</td>"
                     f"<td>{html.escape(e.kind)}</td><td>{html.escape(e.message)}</td>"
                     f"<td>{html.escape(details)}</td></tr>")
