@@ -185,7 +185,7 @@ def estimate_training(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None =
 
 
 def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
-    out = [
+    out = list(getattr(spec, "assumptions", ())) + [
         "steady state: optimizer states exist (step ≥ 2); gradients are freed by "
         "zero_grad(set_to_none=True) after each optimizer step",
         "AdamW is torch's fused implementation (transformers' default adamw_torch_fused): "
