@@ -158,3 +158,21 @@ def test_report_of_a_real_tiny_training_run(tmp_path: Path) -> None:
     assert data.estimate is not None and data.measured_peak_label == "simulated peak (CPU)"
     text = render_html(data)
     assert 'id="memory-steps"' in text and 'id="breakdown"' in text
+
+
+def test_timeline_as_allocator_replay_triples(tmp_path: Path) -> None:
+    """oomless.allocator.replay's timeline: (event index, allocated, reserved) points."""
+    from dataclasses import replace
+
+    from oomless.allocator import replay
+
+    events = [("alloc", i, (i + 1) * 2**20) for i in range(20)]
+    events += [("free", i, 0) for i in range(0, 20, 2)]
+    report = replay(events, timeline_points=16)
+    estimate = replace(make_estimate(), extra={"timeline": report.to_dict()["timeline"]})
+    path = tmp_path / "trace.json"
+    path.write_text(estimate.to_json())
+    data = load_report_data(path)
+    assert len(data.timeline) == len(report.timeline) > 0
+    assert max(p["allocated_bytes"] for p in data.timeline) == report.peak_allocated_bytes
+    assert 'id="timeline"' in render_html(data)

@@ -112,11 +112,20 @@ class ReportData:
 
     @property
     def timeline(self) -> list[dict[str, Any]]:
-        """The trace timeline of ``oomless trace`` (``extra["timeline"]``), or []."""
+        """The trace timeline (``extra["timeline"]`` of ``oomless trace``), or [].
+
+        Points are objects (index or time_s, allocated_bytes, reserved_bytes,
+        phase) or the allocator replay's ``[event index, allocated, reserved]``.
+        """
         if self.estimate is None:
             return []
-        timeline = self.estimate.extra.get("timeline") or []
-        return [p for p in timeline if isinstance(p, dict)]
+        points = []
+        for p in self.estimate.extra.get("timeline") or []:
+            if isinstance(p, dict):
+                points.append(p)
+            elif isinstance(p, list | tuple) and len(p) >= 3:
+                points.append({"index": p[0], "allocated_bytes": p[1], "reserved_bytes": p[2]})
+        return points
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
