@@ -77,6 +77,10 @@ def _summary(data: ReportData) -> list[tuple[str, str]]:
         ]
     if data.gpu_memory_bytes:
         rows.append(("GPU memory", fmt_bytes(data.gpu_memory_bytes)))
+    if est is not None and est.headroom_bytes is not None:
+        verdict = "fits" if est.fits else "does not fit"
+        rows.append(("prediction", f"{verdict}: {fmt_bytes(abs(est.headroom_bytes))} "
+                                   f"{'free' if est.fits else 'over'} on {est.gpu}"))
     if data.steps:
         rows.append(("logged steps", f"{len(data.steps)} (step {data.steps[0].step} to "
                                      f"{data.steps[-1].step})"))
@@ -113,7 +117,8 @@ def _sections(data: ReportData) -> list[str]:
                      + _chart(figures.memory_figure(data), "memory-steps"))
     if data.estimate is not None:
         phase = html.escape(data.estimate.peak_phase)
-        parts.append(f"<h2>Predicted breakdown (peak phase: {phase}) and measured peak</h2>"
+        measured = f" and {data.measured_peak_label}" if data.measured_peak_bytes else ""
+        parts.append(f"<h2>Predicted breakdown (peak phase: {phase}){measured}</h2>"
                      + _chart(figures.breakdown_figure(data), "breakdown"))
     parts.append(f"<h2>OOM and recovery events</h2>{_events_table(data)}")
     if data.timeline:
