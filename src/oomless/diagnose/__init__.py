@@ -22,6 +22,7 @@ from .events import (
     NCCL_OOM,
     NO_EVENT,
     PROCESS_KILLED,
+    VLLM_KINDS,
     Diagnosis,
     Finding,
     Fix,
@@ -37,13 +38,14 @@ from .predict import Predictor, choose_cluster
 from .serving import serving_fixes
 from .text import LogText
 from .view import gpu_view
-from .vllm import find_vllm_events
+from .vllm import find_vllm_events, vllm_profile
 
 __all__ = ["NO_EVENT", "Diagnosis", "diagnose_text"]
 
 MAX_FINDINGS = 50  # a retry loop can print thousands of identical errors
 _LIBRARIES = ("bitsandbytes", "deepspeed", "vllm", "peft", "accelerate", "transformers")
 _NCCL_MERGE_LINES = 30
+_ECHO_LINES = 200  # a re-raised or logged copy of the same error follows within a traceback's length
 
 
 def _with_traceback(log: LogText, event: OomEvent) -> OomEvent:
@@ -64,31 +66,67 @@ def _key(event: OomEvent) -> tuple:
     return (event.kind, event.rank, numbers, event.message if not numbers else "")
 
 
+def _same_stream(a: OomEvent, b: OomEvent) -> bool:
+    return a.rank is None or b.rank is None or a.rank == b.rank
+
+
 def _merge(events: list[OomEvent]) -> list[OomEvent]:
     """Identical messages of one rank count once; one NCCL failure's lines make one event."""
     merged: dict[tuple, OomEvent] = {}
-    last_nccl: dict[int | None, tuple] = {}
     for e in sorted(events, key=lambda ev: ev.line):
-        if e.kind == NCCL_OOM and e.rank in last_nccl:
-            prev_key = last_nccl[e.rank]
-            prev = merged[prev_key]
-            if e.line - prev.line <= _NCCL_MERGE_LINES:
-                merged[prev_key] = replace(prev, numbers={**e.numbers, **prev.numbers},
-                                           device=prev.device if prev.device is not None else e.device)
+        if e.kind == NCCL_OOM:
+            near = [k for k, o in merged.items() if o.kind == NCCL_OOM and _same_stream(o, e)
+                    and e.line - o.line <= _NCCL_MERGE_LINES]
+            if near:
+                prev = merged[near[-1]]
+                merged[near[-1]] = replace(
+                    prev, numbers={**e.numbers, **prev.numbers},
+                    rank=prev.rank if prev.rank is not None else e.rank,
+                    device=prev.device if prev.device is not None else e.device,
+                    phase=prev.phase if prev.phase != "unknown" else e.phase,
+                    frames=prev.frames or e.frames)
                 continue
         key = _key(e)
         if key in merged:
             merged[key] = replace(merged[key], occurrences=merged[key].occurrences + 1)
             continue
         merged[key] = e
-        if e.kind == NCCL_OOM:
-            last_nccl[e.rank] = key
-    return sorted(merged.values(), key=lambda ev: ev.line)
+    return _fold_echoes(sorted(merged.values(), key=lambda ev: ev.line))
+
+
+def _echo_of(e: OomEvent, o: OomEvent) -> bool:
+    """``e`` repeats ``o``: same kind and process, close by, and no numbers of its own."""
+    return (o.kind == e.kind and o.rank == e.rank and abs(e.line - o.line) <= _ECHO_LINES
+            and (not e.numbers or (not o.numbers and e.source == o.source)))
+
+
+def _fold_echoes(events: list[OomEvent]) -> list[OomEvent]:
+    out: list[OomEvent] = []
+    for e in events:
+        twin = next((i for i, o in enumerate(out) if _echo_of(e, o)), None)
+        if twin is not None:
+            out[twin] = replace(out[twin], occurrences=out[twin].occurrences + e.occurrences)
+            continue
+        bare = next((i for i, o in enumerate(out) if _echo_of(o, e)), None)
+        if bare is not None:  # the numbers came after their echo: keep the numbers
+            out[bare] = replace(e, occurrences=e.occurrences + out[bare].occurrences)
+            continue
+        out.append(e)
+    return out
+
+
+def _with_vllm_profile(log: LogText, event: OomEvent) -> OomEvent:
+    """vLLM's start-up failures carry the memory profile it logged before them."""
+    if event.kind not in VLLM_KINDS:
+        return event
+    before = sum(len(line.text) + 1 for line in log.lines[: event.line - 1])
+    profile = {f"profile_{k}": v for k, v in vllm_profile(log.text, before).items()}
+    return replace(event, numbers={**profile, **event.numbers})
 
 
 def find_events(log: LogText) -> tuple[list[OomEvent], list[str]]:
     raw = [*find_gpu_events(log), *find_vllm_events(log), *find_host_events(log)]
-    events = _merge([_with_traceback(log, e) for e in raw])
+    events = _merge([_with_vllm_profile(log, _with_traceback(log, e)) for e in raw])
     notes: list[str] = []
     gpu = [e for e in events if e.kind in GPU_KINDS]
     collateral = [e for e in events if e.kind == PROCESS_KILLED and e.source != "kernel"]

@@ -61,7 +61,7 @@ def _c(code: str, title: str, evidence: str, **numbers: int | float) -> Cause:
 
 
 def fragmentation(view: GpuView) -> tuple[float, Cause] | None:
-    u, free, req = view.unallocated_bytes, view.free_bytes, view.requested_bytes
+    u, free, req = view.unallocated_bytes, view.available_bytes, view.requested_bytes
     if u is None or u < FRAGMENTATION_MIN_BYTES:
         return None
     if req is not None and free is not None and u + free >= req:
@@ -76,13 +76,24 @@ def fragmentation(view: GpuView) -> tuple[float, Cause] | None:
     return None
 
 
+def memory_fraction(view: GpuView) -> tuple[float, Cause] | None:
+    """torch.cuda.set_per_process_memory_fraction caps the process below the device."""
+    cap, reserved, req = view.allowed_bytes, view.reserved_bytes, view.requested_bytes
+    if cap is None or reserved is None or req is None or reserved + req <= cap:
+        return None
+    return 4.5, _c("memory_fraction", "The process is capped by set_per_process_memory_fraction",
+                   f"{fmt_bytes(reserved)} reserved + the {fmt_bytes(req)} request exceed the "
+                   f"{fmt_bytes(cap)} this process is allowed, while {fmt_bytes(view.free_bytes or 0)} "
+                   "of the GPU is free", allowed_bytes=cap, reserved_bytes=reserved, requested_bytes=req)
+
+
 def other_process(view: GpuView) -> tuple[float, Cause] | None:
     total = view.total_bytes
     if total is None:
         return None
     limit = max(512 * MiB, OTHER_PROCESS_MIN_FRACTION * total)
     if view.others and view.others_bytes >= limit:
-        listed = ", ".join(f"process {p.pid} {fmt_bytes(p.memory_bytes)}" for p in view.others[:6])
+        listed = ", ".join(f"process {p.pid} {fmt_bytes(p.memory_bytes)}" for p in view.big_others(total))
         mine = f"; this process {fmt_bytes(view.self_bytes)}" if view.self_bytes else ""
         return 4.0, _c("other_process", "Another process holds GPU memory",
                        f"{fmt_bytes(view.others_bytes)} of {fmt_bytes(total)} belong to other "
@@ -235,8 +246,8 @@ def _host_causes(event: OomEvent) -> list[tuple[float, Cause]]:
                          "runs out (confirm with `dmesg | grep -i 'killed process'`)", exit_code=code))]
     where = {"data_loading": "in the DataLoader workers", "model_load": "while loading the model",
              "checkpoint_save": "while saving a checkpoint"}.get(event.phase, "")
-    return [(4.0, _c("host_ram", "Host RAM ran out", f"host memory ran out {where}{held}".replace("  ", " "),
-                     rss_bytes=rss))]
+    text = " ".join(part for part in ("host memory ran out", where) if part) + held
+    return [(4.0, _c("host_ram", "Host RAM ran out", text, rss_bytes=rss))]
 
 
 def classify(event: OomEvent, s: Situation) -> tuple[Cause, ...]:
@@ -248,7 +259,7 @@ def classify(event: OomEvent, s: Situation) -> tuple[Cause, ...]:
         found += _vllm_event(event, s)
     else:
         view = gpu_view(event)
-        found += [vllm_in_charge(event, s), other_process(view), fragmentation(view),
+        found += [vllm_in_charge(event, s), memory_fraction(view), other_process(view), fragmentation(view),
                   logits(event, view, s), replicas(event, s), long_sample(event, s),
                   _phase_cause(event, view, s)]
         if event.kind == NCCL_OOM:

@@ -114,7 +114,8 @@ def expandable_segments(ctx: FixContext) -> Fix:
 
 def free_gpu(ctx: FixContext) -> Fix:
     v = ctx.view
-    who = ", ".join(f"process {p.pid} ({fmt_bytes(p.memory_bytes)})" for p in v.others[:6])
+    who = ", ".join(f"process {p.pid} ({fmt_bytes(p.memory_bytes)})"
+                    for p in v.big_others(v.total_bytes or 1))
     text = (f"stop {who} or run on a free GPU (CUDA_VISIBLE_DEVICES)" if who else
             "stop the other programs on this GPU (nvidia-smi lists them) or run on a free GPU")
     if v.used_bytes is None or v.requested_bytes is None or not v.total_bytes:
@@ -147,8 +148,20 @@ def max_new_tokens(ctx: FixContext) -> Fix | None:
                    {"eval.max_new_tokens": current // 2}, keeps=False)
 
 
+def zero_stage(ctx: FixContext) -> int | None:
+    """ZeRO stage in use: the config's, the log's, or the DeepSpeed file in the traceback."""
+    if ctx.predictor is not None:
+        return ctx.predictor.cfg.zero
+    if any("deepspeed/runtime/zero/stage3.py" in f for f in ctx.event.frames):
+        return 3
+    return ctx.hints.zero_stage
+
+
 def zero3(ctx: FixContext) -> Fix:
     p = ctx.predictor
+    if (zero_stage(ctx) or 0) >= 3:
+        return _priced(ctx, "offload", "ZeRO-3 with optimizer states offloaded to CPU (offload: "
+                       "optimizer; needs host RAM, slower steps)", {"offload": "optimizer"})
     world = p.cfg.world_size if p else (ctx.hints.world_size or 0)
     over = f" over {world} GPUs" if world > 1 else ""
     return _priced(ctx, "zero3", f"DeepSpeed ZeRO-3{over}: weights, gradients and optimizer states "
@@ -166,6 +179,8 @@ def smaller_optimizer(ctx: FixContext) -> Fix | None:
 def quantize_base(ctx: FixContext) -> Fix | None:
     p = ctx.predictor
     if p is not None and (p.cfg.method == "qlora" or p.cfg.zero == 3):
+        return None
+    if ctx.event.library == "bitsandbytes":  # already loading quantized weights
         return None
     return _priced(ctx, "qlora", "QLoRA: 4-bit base weights with LoRA adapters", {"method": "qlora"},
                    keeps=False)
@@ -199,6 +214,10 @@ def training_fixes(cause: Cause, ctx: FixContext) -> list[Fix | None]:
         return [expandable_segments(ctx)]
     if code == "other_process":
         return [free_gpu(ctx)]
+    if code == "memory_fraction":
+        cap = ctx.view.allowed_bytes or 0
+        return [Fix("memory_fraction", "raise torch.cuda.set_per_process_memory_fraction (allowed "
+                    f"{fmt_bytes(cap)}) or remove the cap", {}, True)]
     if code in ("activations", "long_sample"):
         extra = [cap_length(ctx)] if code == "long_sample" else []
         return [*extra, micro_batch(ctx), grad_ckpt(ctx)]

@@ -44,9 +44,9 @@ SIGKILL = re.compile(
     r"|(?m:^[^\n]{0,80}line \d+:\s+(?P<pid>\d+) Killed\s+\S[^\n]*$)|(?m:^\s*Killed\s*$)"
     r"|(?:exit(?:ed)?(?: with)? (?:code|status)|Exit Code:)\s*(?P<code137>137)\b"
 )
-CLUSTER_KILL = re.compile(
-    r"Detected (?P<count>\d+) oom[-_]kill events?|have been OOM Killed|Exceeded job memory limit"
-    r"|Reason:\s+OOMKilled|\bOOMKilled\b"
+CLUSTER_KILL = re.compile(  # one event per line, however many of the phrases it holds
+    r"(?m)^[^\n]{0,200}?(?:Detected \d+ oom[-_]kill events?|have been OOM Killed|Exceeded job memory limit"
+    r"|\bOOMKilled\b|task \d+: Out Of Memory)[^\n]{0,200}"
 )
 
 

@@ -44,7 +44,7 @@ TORCH2 = re.compile(
     rf"{_S}has{_S}{ANY_SIZE}{_S}memory{_S}in{_S}use\.)*)"
     rf"(?:{_S}{size('allowed')}{_S}allowed;)?"
     rf"(?:{_S}Of{_S}the{_S}allocated{_S}memory{_S}{size('alloc')}{_S}is{_S}allocated{_S}by{_S}PyTorch,"
-    rf"(?:{_S}with{_S}{size('private')}{_S}allocated{_S}in{_S}private{_S}pools[^,]{{0,40}},)?"
+    rf"(?:{_S}with{_S}{size('private')}{_S}allocated{_S}in{_S}private{_S}pools(?:{_S}\([^)]{{0,40}}\))?,)?"
     rf"{_S}and{_S}{size('unalloc')}{_S}is{_S}reserved{_S}by{_S}PyTorch{_S}but{_S}unallocated\.)?"
 )
 _PROC = re.compile(

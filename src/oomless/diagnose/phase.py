@@ -128,7 +128,7 @@ _CONTEXT_HINTS = (
 )
 
 
-def phase_from_context(log: LogText, index: int, lines: int = 8) -> str:
+def phase_from_context(log: LogText, index: int, lines: int = 15) -> str:
     """A phase from the last progress lines before ``index`` (for kills without a traceback)."""
     for i in range(index - 1, max(-1, index - 1 - lines), -1):
         text = log.lines[i].text

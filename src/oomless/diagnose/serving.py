@@ -27,8 +27,8 @@ _MARGIN_BYTES = 1 * GiB
 _CONTEXT_BYTES = 512 * MiB
 
 
-def _down(u: float) -> float:
-    return max(_UTIL_STEP, math.floor(u / _UTIL_STEP + 1e-9) * _UTIL_STEP)
+def _down(u: float, step: float = _UTIL_STEP) -> float:
+    return max(step, math.floor(u / step + 1e-9) * step)
 
 
 def _up(u: float, step: float = 0.01) -> float:
@@ -58,9 +58,11 @@ def vllm_runtime(event: OomEvent, cause: Cause) -> list[Fix]:
 def vllm_free_memory(event: OomEvent) -> list[Fix]:
     n = event.numbers
     total, free = int(n["total_bytes"]), int(n["free_bytes"])
+    if total <= 0:
+        return []
     held = total - free
     u = float(n["gpu_memory_utilization"])
-    new_u = _down((free - _CONTEXT_BYTES) / total)
+    new_u = _down((free - _CONTEXT_BYTES) / total, 0.01)  # free memory was measured: finer grid
     after = held + int(new_u * total)
     fixes = [Fix("gpu_memory_utilization",
                  f"{_util_text(new_u, u)}: vLLM takes {fmt_bytes(new_u * total)} next to the "
@@ -72,8 +74,14 @@ def vllm_free_memory(event: OomEvent) -> list[Fix]:
     return fixes
 
 
+def _profile(event: OomEvent, s: Situation) -> dict[str, int | float]:
+    """The memory profile vLLM logged before this event (else the log's first one)."""
+    own = {k.removeprefix("profile_"): v for k, v in event.numbers.items() if k.startswith("profile_")}
+    return own or dict(s.hints.vllm_profile)
+
+
 def vllm_no_kv(event: OomEvent, s: Situation) -> list[Fix]:
-    prof = s.hints.vllm_profile
+    prof = _profile(event, s)
     total = prof.get("total_bytes")
     fixed = sum(int(prof.get(k, 0)) for k in ("weights_bytes", "activation_bytes", "non_torch_bytes"))
     fixes: list[Fix] = []
@@ -102,9 +110,12 @@ def vllm_max_len(event: OomEvent, s: Situation) -> list[Fix]:
         fixes.append(Fix("max_model_len", f"max_model_len {int(fits_len)} (was {n['max_model_len']}); "
                          "for generation: prompt cutoff + max_new_tokens within it",
                          {"max_model_len": int(fits_len)}, False))
-    prof = s.hints.vllm_profile
+    prof = _profile(event, s)
     total, u = prof.get("total_bytes"), prof.get("gpu_memory_utilization") or s.hints.gpu_memory_utilization
     need, have = n.get("kv_needed_bytes"), n.get("kv_available_bytes")
+    if (need is None or have is None) and n.get("kv_cache_tokens") and prof.get("kv_cache_bytes"):
+        have = prof["kv_cache_bytes"]  # V0 gives tokens only: scale the profiled KV bytes
+        need = have * n["max_model_len"] / n["kv_cache_tokens"]
     if total and u and need and have:
         new_u = _up(u + (need - have) / total)
         fixes.append(Fix("gpu_memory_utilization",

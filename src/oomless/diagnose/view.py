@@ -17,6 +17,13 @@ class GpuView:
     reserved_bytes: int | None
     self_bytes: int | None  # this process, non-PyTorch memory included (NVML)
     others: tuple[ProcessMemory, ...]
+    allowed_bytes: int | None = None  # set_per_process_memory_fraction's cap
+
+    def big_others(self, total: int, limit: int = 6) -> tuple[ProcessMemory, ...]:
+        """Other processes worth naming (≥ 1% of the GPU), largest first."""
+        big = sorted((p for p in self.others if p.memory_bytes >= 0.01 * total),
+                     key=lambda p: -p.memory_bytes)
+        return tuple(big[:limit])
 
     @property
     def used_bytes(self) -> int | None:
@@ -29,11 +36,20 @@ class GpuView:
         return sum(p.memory_bytes for p in self.others)
 
     @property
-    def shortfall_bytes(self) -> int | None:
-        """How much more the failed request needed than was free on the device."""
-        if self.requested_bytes is None or self.free_bytes is None:
+    def available_bytes(self) -> int | None:
+        """Free device memory this process could still take (under its cap, if any)."""
+        if self.free_bytes is None:
             return None
-        return max(0, self.requested_bytes - self.free_bytes)
+        if self.allowed_bytes is not None and self.reserved_bytes is not None:
+            return min(self.free_bytes, max(0, self.allowed_bytes - self.reserved_bytes))
+        return self.free_bytes
+
+    @property
+    def shortfall_bytes(self) -> int | None:
+        """How much more the failed request needed than was free (under the cap, if any)."""
+        if self.requested_bytes is None or self.available_bytes is None:
+            return None
+        return max(0, self.requested_bytes - self.available_bytes)
 
     @property
     def outside_pytorch_bytes(self) -> int | None:
@@ -78,4 +94,5 @@ def gpu_view(event: OomEvent) -> GpuView:
         reserved_bytes=reserved,
         self_bytes=self_bytes,
         others=others,
+        allowed_bytes=_int(event, "allowed_bytes"),
     )
