@@ -171,3 +171,52 @@ def test_cli_infer(tiny_model, dataset, tmp_path, capsys) -> None:
     missing = ["infer", str(dataset), "--model", str(tmp_path / "nope"), "--out", str(out),
                "--backend", "hf", "--overwrite"]
     assert main(missing) == 2
+
+
+def test_gpu_batch_size_follows_the_memory_model() -> None:
+    from oomless.catalog import resolve_model
+    from oomless.memory import estimate_generate
+    from oomless.runtime.infer_hf import FREE_MEMORY_MARGIN, batch_size_for
+    from oomless.units import GiB
+
+    spec = resolve_model("qwen2.5-7b-instruct").spec
+    opts = InferOptions(model="qwen2.5-7b-instruct", cutoff_len=1024, max_new_tokens=512)
+    sizes = [batch_size_for(spec, free * GiB, opts) for free in (18, 24, 40, 80)]
+    assert sizes == sorted(sizes) and sizes[0] >= 1 and sizes[-1] > sizes[0]
+    for free, batch in zip((18, 24, 40, 80), sizes, strict=True):
+        budget = free * GiB * (1 - FREE_MEMORY_MARGIN)
+        if batch > 1:
+            assert estimate_generate(spec, batch, 1024, 512).device_peak_bytes <= budget
+        if batch < 256:
+            assert estimate_generate(spec, batch * 2, 1024, 512).device_peak_bytes > budget
+
+
+@pytest.mark.slow
+def test_killed_process_then_rerun_loses_and_repeats_nothing(tiny_model, tmp_path) -> None:
+    """A real crash: SIGKILL the CLI once a chunk is on disk, then run it again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    records = RECORDS * 6
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    argv = [sys.executable, "-c", "from oomless.cli import run; run()", "infer", str(data),
+            "--model", str(tiny_model), "--out", str(out), "--backend", "hf",
+            "--cutoff-len", "48", "--max-new-tokens", "24", "--chunk-size", "2",
+            "--batch-size", "1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while proc.poll() is None and (not out.exists() or out.read_text().count("\n") < 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    if proc.returncode != -signal.SIGKILL:
+        pytest.skip("the run finished before it could be killed")
+    before = len(read_rows(out))
+    assert 2 <= before < len(records)
+    subprocess.run(argv, env=env, check=True, capture_output=True)
+    lines = [r["line"] for r in read_rows(out)]
+    assert sorted(lines) == list(range(1, len(records) + 1)), "nothing lost, nothing twice"
