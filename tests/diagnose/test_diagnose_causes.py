@@ -54,7 +54,8 @@ def test_seed002_without_a_config_reads_batch_and_accumulation_from_the_launch_l
     assert codes(f.causes)[0] == "activations"
     fix = f.fixes[0]
     assert fix.changes == {"micro_batch_size": 4, "grad_accum": 4}
-    assert "effective batch 16 unchanged" in fix.text
+    # "num_local_procs=8" in DeepSpeed's launcher line gives the GPU count
+    assert "effective batch 16 × 8 GPUs = 128 unchanged" in fix.text
     assert fix.predicted_peak_bytes is None and fix.prediction == "none"
 
 
@@ -76,6 +77,32 @@ def test_fragmentation_when_the_request_fits_in_reserved_but_unallocated_memory(
     used = as_bytes("23.69", "GiB") - as_bytes("20.19", "MiB")
     expected = used - as_bytes("1.52", "GiB") + as_bytes("72.00", "MiB")
     assert fix.predicted_peak_bytes == expected and fix.fits
+
+
+def test_evaluation_batch_from_the_trainer_banner_is_halved():
+    f = finding("torch21_capacty_eval_fragmentation.log")
+    assert next(c for c in f.causes if c.code == "evaluation").numbers["eval_batch_size"] == 16
+    assert next(x for x in f.fixes if x.code == "eval_batch").changes == {"eval.batch_size": 8}
+
+
+def test_launcher_and_deepspeed_context_become_notes():
+    d = diagnose_text(read_fixture("host_torchrun_sigkill_loading.log"))
+    assert "torchrun: rank 0 failed first (exit code -9)" in d.notes
+    d = diagnose_text(read_fixture("deepspeed_stage3_step_oom.log"))
+    assert any("allocator cache flushes (up to 3 per step)" in n for n in d.notes)
+
+
+def test_host_event_with_an_offloading_config_sizes_host_ram():
+    cfg = RunConfig(model="qwen2.5-7b", method="full", zero=3, offload="optimizer",
+                    hardware={"gpu": "a100-80gb", "gpus_per_node": 8, "host_ram_gb": 64})
+    f = diagnose_text(read_fixture("host_kernel_oom.log"), cfg).findings[0]
+    fix = next(x for x in f.fixes if x.code == "host_ram_needed")
+    spec = resolve_model("qwen2.5-7b").spec
+    from oomless.api import cluster_for
+
+    expected = estimate_training(spec, cfg, cluster_for(cfg)).host_ram_bytes
+    assert fix.predicted_peak_bytes == expected and fix.gpu_memory_bytes == 64 * 10**9
+    assert fix.fits == (expected <= 64 * 10**9)
 
 
 def test_no_fragmentation_when_the_reserved_slack_could_not_hold_the_request():

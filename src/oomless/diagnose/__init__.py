@@ -29,8 +29,8 @@ from .events import (
     OomEvent,
     RunHints,
 )
-from .fixes import FixContext, training_fixes
-from .hints import read_hints
+from .fixes import FixContext, host_ram_needed, training_fixes
+from .hints import context_notes, read_hints
 from .host import find_host_events
 from .parse import find_gpu_events
 from .phase import phase_from_context, phase_of, traceback_before
@@ -162,10 +162,13 @@ def _situation(events: list[OomEvent], hints: RunHints, cfg: RunConfig | None, s
 def _fixes_for(event: OomEvent, causes, s: Situation, predictor: Predictor | None) -> tuple[Fix, ...]:
     ctx = FixContext(event, gpu_view(event), s.hints, predictor)
     out: list[Fix] = []
+    if event.kind in HOST_KINDS and predictor is not None:
+        needed = host_ram_needed(predictor)
+        out += [needed] if needed else []
     seen: set[str] = set()
     for cause in causes:
         for fix in [*serving_fixes(event, cause, s), *training_fixes(cause, ctx)]:
-            if fix is not None and fix.code not in seen:
+            if fix is not None and fix.code not in seen and fix.code not in {f.code for f in out}:
                 seen.add(fix.code)
                 out.append(fix)
     # Training-preserving fixes first; among them those predicted to fit.
@@ -199,6 +202,7 @@ def diagnose_text(text: str, cfg: RunConfig | None = None, cluster: Cluster | No
     if events:
         first = sum(len(line.text) + 1 for line in log.lines[: events[0].line - 1])
     hints = read_hints(log.text, first)
+    notes.extend(context_notes(log.text))
     spec = None
     if cfg is not None:
         from ..catalog import resolve_model
@@ -212,7 +216,7 @@ def diagnose_text(text: str, cfg: RunConfig | None = None, cluster: Cluster | No
     cache: dict = {}
     for event in events:
         predictor = None
-        if cfg is not None and spec is not None and cluster is not None and event.kind not in HOST_KINDS:
+        if cfg is not None and spec is not None and cluster is not None:
             predictor = Predictor(spec, cfg, cluster, gpu_view(event).others_bytes, cache)
             if event.kind == CUDA_OOM and (note := _calibration_note(event, predictor)) and note not in notes:
                 notes.append(note)

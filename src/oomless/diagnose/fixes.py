@@ -208,6 +208,27 @@ def cap_length(ctx: FixContext) -> Fix:
     return _priced(ctx, "cap_length", text, {}, keeps=True)
 
 
+def memory_fraction(ctx: FixContext) -> Fix:
+    v = ctx.view
+    text = (f"raise torch.cuda.set_per_process_memory_fraction (allowed {fmt_bytes(v.allowed_bytes or 0)})"
+            " or remove the cap")
+    if v.reserved_bytes is None or v.requested_bytes is None or not v.total_bytes:
+        return Fix("memory_fraction", text, {}, True)
+    after = v.reserved_bytes + v.requested_bytes
+    return Fix("memory_fraction", text, {}, True, after, v.total_bytes, "arithmetic", after <= v.total_bytes)
+
+
+def host_ram_needed(predictor: Predictor) -> Fix | None:
+    """The host RAM the run needs (offload, pinned buffers), from the estimator."""
+    est = predictor.estimate()
+    if est is None or not est.host_ram_bytes:
+        return None
+    have = predictor.cluster.host_ram_bytes
+    return Fix("host_ram_needed", "size host RAM for this run: offloaded states and pinned buffers "
+               f"need {fmt_bytes(est.host_ram_bytes)} per node", {}, True, est.host_ram_bytes, have,
+               "estimator", None if have is None else est.host_ram_bytes <= have)
+
+
 def training_fixes(cause: Cause, ctx: FixContext) -> list[Fix | None]:
     code = cause.code
     if code == "fragmentation":
@@ -215,9 +236,7 @@ def training_fixes(cause: Cause, ctx: FixContext) -> list[Fix | None]:
     if code == "other_process":
         return [free_gpu(ctx)]
     if code == "memory_fraction":
-        cap = ctx.view.allowed_bytes or 0
-        return [Fix("memory_fraction", "raise torch.cuda.set_per_process_memory_fraction (allowed "
-                    f"{fmt_bytes(cap)}) or remove the cap", {}, True)]
+        return [memory_fraction(ctx)]
     if code in ("activations", "long_sample"):
         extra = [cap_length(ctx)] if code == "long_sample" else []
         return [*extra, micro_batch(ctx), grad_ckpt(ctx)]

@@ -35,7 +35,9 @@ _SEQ = _int_pattern("model_max_length", "max_seq_length", "cutoff_len", "max_len
                     "max_seq_len", "block_size")
 _NEW = _int_pattern("max_new_tokens")
 _MAX_MODEL_LEN = _int_pattern("max_model_len")
-_WORLD = _int_pattern("nproc_per_node", "num_processes", "world_size", "num_gpus")
+_WORLD = _int_pattern("nproc_per_node", "num_processes", "world_size", "num_gpus", "num_local_procs")
+# HF Trainer's banner: "***** Running Evaluation *****" then "  Batch size = 16"
+_EVAL_BANNER = re.compile(r"Running (?:Evaluation|Prediction) \*+(?:\n[^\n]*){0,4}?\n\s*Batch size = (\d+)")
 _UTIL = re.compile(_key("gpu_memory_utilization") + r"(0?\.\d{1,4}|1(?:\.0{1,4})?)\b")
 _ZERO_FILE = re.compile(r"\bzero_?(?:stage_?)?([0-3])(?:[_-]\w+)?\.json\b", re.IGNORECASE)
 _ZERO_STAGE = re.compile(r"""(?:zero_stage|"stage")\s*[:=]\s*([0-3])\b""")
@@ -81,7 +83,7 @@ def read_hints(text: str, first_event_pos: int | None) -> RunHints:
     return RunHints(
         micro_batch_size=_first_int(_MICRO, text),
         grad_accum=_first_int(_ACCUM, text),
-        eval_batch_size=_first_int(_EVAL, text),
+        eval_batch_size=_first_int(_EVAL, text) or _first_int(_EVAL_BANNER, text),
         seq_len=_first_int(_SEQ, text),
         max_new_tokens=_first_int(_NEW, text),
         zero_stage=_zero_stage(text),
@@ -92,3 +94,26 @@ def read_hints(text: str, first_event_pos: int | None) -> RunHints:
         steps_done=steps_done(text, first_event_pos) if first_event_pos is not None else None,
         vllm_profile=profile,
     )
+
+
+_ROOT_CAUSE = re.compile(
+    r"Root Cause \(first observed failure\):\s*\n\s*\[\d+\]:\s*\n(?:[^\n]*\n){0,3}?\s*rank\s*:\s*(\d+)"
+    r"[^\n]*\n\s*exitcode\s*:\s*(-?\d+)"
+)
+_FLUSHES = re.compile(r"(\d+) pytorch allocator cache flushes since last step")
+
+
+def context_notes(text: str) -> list[str]:
+    """What launchers and DeepSpeed said around the failure, in words."""
+    notes: list[str] = []
+    root = _ROOT_CAUSE.search(text)
+    if root:
+        notes.append(f"torchrun: rank {root.group(1)} failed first (exit code {root.group(2)})")
+    flushes = [int(n) for n in _FLUSHES.findall(text)]
+    if flushes:
+        notes.append(
+            f"DeepSpeed warned {len(flushes)} time(s) of allocator cache flushes (up to {max(flushes)} "
+            "per step): the allocator was already freeing its cache to keep going, a sign of memory "
+            "pressure and fragmentation (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True helps)"
+        )
+    return notes

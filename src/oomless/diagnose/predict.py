@@ -44,17 +44,21 @@ def gpu_from_total(total_bytes: int) -> GPUSpec:
 
 def choose_cluster(cfg: RunConfig | None, gpu_arg: str | None, total_bytes: int | None) -> Cluster | None:
     """``--gpu`` first, then the configuration's GPU, then the printed total."""
+    from ..api import cluster_for
+
+    configured = cluster_for(cfg) if cfg else None
     per_node = cfg.hardware.gpus_per_node if cfg else 1
     nodes = cfg.hardware.nodes if cfg else 1
+    host = configured.host_ram_bytes if configured else None
     if gpu_arg:
-        cluster = parse_gpu_arg(gpu_arg, nodes=nodes)
+        cluster = parse_gpu_arg(gpu_arg, nodes=nodes, host_ram_bytes=host)
         if cfg and cluster.gpus_per_node == 1:  # "--gpu a100-80gb": the config says how many
-            cluster = Cluster(cluster.gpu, per_node, nodes, cluster.host_ram_bytes)
+            cluster = Cluster(cluster.gpu, per_node, nodes, host)
         return cluster
-    if cfg and cfg.hardware.gpu:
-        return Cluster(parse_gpu_arg(cfg.hardware.gpu).gpu, per_node, nodes)
+    if configured:
+        return configured
     if total_bytes:
-        return Cluster(gpu_from_total(total_bytes), per_node, nodes)
+        return Cluster(gpu_from_total(total_bytes), per_node, nodes, host)
     return None
 
 
