@@ -93,3 +93,51 @@ def test_remote_code_needs_the_config_switch(run_config, tiny_model_dir, tmp_pat
 def test_too_little_data_for_one_step(run_config):
     with pytest.raises(ConfigError, match="fewer than one optimizer step"):
         train(run_config(micro_batch_size=64, grad_accum=4))
+
+
+def _big_batch_config(run_config, tmp_path):
+    from oomless.runtime.tiny import demo_data_path
+
+    data = tmp_path / "x3.jsonl"
+    data.write_text(demo_data_path().read_text() * 3)
+    # 512 x 4096 tokens does not fit a 16 GB T4 by the analytic estimate
+    return run_config(micro_batch_size=512, grad_accum=1, seq_len=4096,
+                      **{"hardware.gpu": "t4", "data.train_file": str(data),
+                         "training.max_steps": 1})
+
+
+def test_preflight_stops_before_loading_weights_with_the_best_plan(run_config, tmp_path,
+                                                                   monkeypatch):
+    from oomless.runtime import train as train_module
+    from oomless.runtime.preflight import PreflightError
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights loaded before the preflight")
+
+    monkeypatch.setattr(train_module, "load_model", never)
+    with pytest.raises(PreflightError, match=r"(?s)OUT OF MEMORY on .*T4.*micro_batch_size: "
+                                             r"512 -> \d+, grad_accum: 1 -> \d+.*--auto-fit"):
+        train(_big_batch_config(run_config, tmp_path))
+
+
+def test_auto_fit_applies_the_plan_and_keeps_the_effective_batch(run_config, tmp_path):
+    from oomless.config import load_run_config
+    from oomless.runtime.memlog import read_events
+
+    result = train(_big_batch_config(run_config, tmp_path), auto_fit=True)
+    (event,) = [e for e in read_events(result.run_dir) if e["event"] == "auto_fit"]
+    micro_old, micro_new = event["changes"]["micro_batch_size"]
+    accum_old, accum_new = event["changes"]["grad_accum"]
+    assert micro_old * accum_old == micro_new * accum_new == 512 and micro_new < 512
+    written = load_run_config(result.run_dir / "oomless.yaml")
+    assert (written.micro_batch_size, written.effective_batch) == (micro_new, 512)
+    assert read_steps(result.run_dir)[0]["samples"].__len__() == 512
+
+
+def test_preflight_without_a_gpu_says_it_did_not_check(tiny_model_dir, run_config):
+    from oomless.runtime.preflight import run_preflight
+
+    pre = run_preflight(run_config(), tiny_model_dir)
+    assert pre.fits is None and "not checked" in pre.note
+    fits = run_preflight(run_config(**{"hardware.gpu": "t4"}), tiny_model_dir)
+    assert fits.fits is True and "fits on" in fits.note

@@ -31,7 +31,7 @@ from .batches import SampleSchedule, collate, label_tokens, micro_batches
 from .data import load_examples, load_tokenizer
 from .dist import Dist, init_dist
 from .loading import build_optimizer, build_scheduler, enable_grad_ckpt, load_model, torch_dtypes
-from .memlog import Progress, RunLog, device_memory, truncate_after
+from .memlog import Progress, RunLog, device_memory
 from .oom import (
     FaultInjector,
     TrainingOOMError,
@@ -72,19 +72,16 @@ def token_loss_sum(logits: Any, labels: Any) -> Any:
                            labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
 
 
-def predicted_estimate(cfg: RunConfig, model_dir: Path) -> Any:
-    """The lead's analytic estimate of this run (None where the model is not modelled)."""
+def predicted_estimate(cfg: RunConfig, model_dir: Path, cluster: Any = None) -> Any:
+    """The analytic estimate of this run (None where the model is not modelled)."""
     from ..catalog import resolve_model
     from ..errors import ModelConfigError, UnknownModelError
-    from ..hardware import Cluster, get_gpu
     from ..memory import estimate_training
 
     try:
         spec = resolve_model(str(model_dir)).spec
     except (UnknownModelError, ModelConfigError):
         return None
-    h = cfg.hardware
-    cluster = Cluster(get_gpu(h.gpu), h.gpus_per_node, h.nodes) if h.gpu else None
     return estimate_training(spec, cfg, cluster)
 
 
@@ -111,16 +108,14 @@ class _Signals:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
-                 progress: bool = False,
+                 progress: bool = False, auto_fit: bool = False,
                  on_step_end: Callable[[Trainer, dict[str, Any]], None] | None = None) -> None:
         self.cfg = cfg
+        self.auto_fit = auto_fit
         self.run_dir = Path(run_dir or cfg.training.output_dir)
         self.resume = resume
         self.show_progress = progress
         self.on_step_end = on_step_end
-        self.micro_batch_size = cfg.micro_batch_size
-        self.grad_ckpt = cfg.grad_ckpt
-        self.eval_batch_size = cfg.eval_batch_size
         self.step = 0  # optimizer steps completed
         self.eval_round = 0
         self.tracked_peak_bytes = 0  # simulated budget mode: highest step peak so far
@@ -130,15 +125,16 @@ class Trainer:
     def _setup(self) -> None:
         from .loading import resolve_model_dir
 
-        cfg, t = self.cfg, self.cfg.training
         self.dist: Dist = init_dist()
         self.device = self.dist.device
-        if not cfg.data.train_file:
+        if not self.cfg.data.train_file:
             raise ConfigError("data.train_file is not set; point it at a .jsonl, .json or "
                               ".parquet file of training records")
-        seed_everything(t.seed)  # same seed on every rank: identical initial replicas
-        model_dir = resolve_model_dir(cfg.model)
+        model_dir = resolve_model_dir(self.cfg.model)
         self.log = RunLog(self.run_dir, enabled=self.dist.is_main, resume=self.resume)
+        self._preflight(model_dir)
+        cfg, t = self.cfg, self.cfg.training
+        seed_everything(t.seed)  # same seed on every rank: identical initial replicas
         self.tokenizer = load_tokenizer(str(model_dir), t.trust_remote_code)
         rd = self.run_dir if self.dist.is_main else None
         self.train_data = load_examples(cfg.data.train_file, self.tokenizer, cfg.data,
@@ -146,59 +142,45 @@ class Trainer:
         self.eval_data = (load_examples(cfg.data.eval_file, self.tokenizer, cfg.data,
                                         cfg.seq_len, rd, "eval_token_stats.json")
                           if cfg.data.eval_file else None)
-        self.model, self.model_dir = load_model(cfg, self.device)
-        _, self.autocast_dtype = torch_dtypes(cfg, self.device.type)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(cfg, self.params, self.device.type)
         self.schedule = SampleSchedule(len(self.train_data.examples),
                                        cfg.micro_batch_size * cfg.grad_accum * self.dist.world_size,
                                        self.dist.world_size, t.seed)
         self.total_steps = self.schedule.total_steps(t.epochs, t.max_steps)
+        self.model, self.model_dir = load_model(cfg, self.device)
+        _, self.autocast_dtype = torch_dtypes(cfg, self.device.type)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(cfg, self.params, self.device.type)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
         self.injector = FaultInjector(t.inject_oom, self.dist.rank)
-        self.estimate = predicted_estimate(cfg, self.model_dir)
-        self.predicted_peak_bytes = self.estimate.peak_allocated_bytes if self.estimate else None
         self.pad_id = self.tokenizer.pad_token_id
 
-    def _write_run_files(self) -> None:
-        from ..config import dump_run_config
-        from .data import write_json_atomic
+    def _preflight(self, model_dir: Path) -> None:
+        """Estimate before loading weights; stop, or apply the plan with --auto-fit."""
+        from .preflight import apply, run_preflight
 
-        if not self.dist.is_main:
-            return
-        (self.run_dir / "oomless.yaml").write_text(dump_run_config(self.cfg))
-        if self.estimate is not None:
-            write_json_atomic(self.run_dir / "estimate.json", self.estimate.to_dict())
+        pre = run_preflight(self.cfg, model_dir)
+        fitted = apply(pre, self.cfg, self.auto_fit or self.cfg.training.auto_fit)
+        if fitted is not self.cfg:
+            self.log.event("auto_fit", "predicted OOM; applied the best plan that fits "
+                           "(same effective batch)", 0, changes=pre.changes,
+                           predicted_peak_bytes=pre.estimate.device_peak_bytes)
+            self.cfg = fitted
+        self.preflight_note = pre.note
+        self.micro_batch_size = self.cfg.micro_batch_size
+        self.grad_ckpt = self.cfg.grad_ckpt
+        self.eval_batch_size = self.cfg.eval_batch_size
+        self.estimate = predicted_estimate(self.cfg, model_dir, pre.cluster)
+        self.predicted_peak_bytes = self.estimate.peak_allocated_bytes if self.estimate else None
 
-    def _maybe_resume(self) -> None:
-        if not self.resume:
-            return
-        folder = ckpt.latest_checkpoint(self.run_dir)
-        if folder is None:
-            raise ConfigError(f"--resume: no checkpoint in '{self.run_dir / ckpt.CHECKPOINTS}'; "
-                              "start without --resume")
-        state = ckpt.restore(folder, self.model, self.optimizer, self.scheduler, self.dist.rank)
-        if state["schedule"] != self._schedule_dict():
-            raise ConfigError(f"--resume: checkpoint '{folder}' was made with a different data "
-                              f"size or effective batch ({state['schedule']}); resume with the "
-                              "same data and batch settings")
-        self.step = state["step"]
-        self.eval_round = state.get("eval_round", 0)
-        self.micro_batch_size = state["micro_batch_size"]
-        self.eval_batch_size = state["eval_batch_size"]
-        self.injector.load_state_dict(state.get("fault_injection", {}))
-        if state["grad_ckpt"] and not self.grad_ckpt:
-            enable_grad_ckpt(self.model)
-            self.grad_ckpt = True
-        if self.dist.is_main:
-            truncate_after(self.run_dir, self.step)
-        self.log.event("resume", f"resumed from {folder.name}", self.step,
-                       micro_batch_size=self.micro_batch_size, grad_ckpt=self.grad_ckpt)
-
-    def _schedule_dict(self) -> dict[str, int]:
+    def schedule_dict(self) -> dict[str, int]:
         s = self.schedule
         return {"num_samples": s.num_samples, "effective_batch": s.effective_batch,
                 "world_size": s.world_size, "seed": s.seed}
+
+    def save_checkpoint(self) -> Path | None:
+        from .run_state import save_checkpoint
+
+        return save_checkpoint(self)
 
     # ---- one optimizer step ---------------------------------------------------------------
     def _autocast(self) -> Any:
@@ -309,27 +291,6 @@ class Trainer:
         out["predicted_peak_bytes"] = self.predicted_peak_bytes
         return out
 
-    # ---- checkpoints ------------------------------------------------------------------
-    def save_checkpoint(self) -> Path | None:
-        tmp = ckpt.prepare_tmp(self.run_dir, self.step) if self.dist.is_main else None
-        self.dist.barrier()
-        tmp = Path(self.dist.broadcast_str(str(tmp) if tmp else None))
-        ckpt.write_rank_rng(tmp, self.dist.rank)
-        self.dist.barrier()
-        final = None
-        if self.dist.is_main:
-            state = {"step": self.step, "eval_round": self.eval_round,
-                     "micro_batch_size": self.micro_batch_size,
-                     "eval_batch_size": self.eval_batch_size, "grad_ckpt": self.grad_ckpt,
-                     "schedule": self._schedule_dict(),
-                     "data_position": self.schedule.position(self.step),
-                     "fault_injection": self.injector.state_dict()}
-            ckpt.write_main(tmp, self.model, self.optimizer, self.scheduler, state)
-            final = ckpt.publish(self.run_dir, tmp, self.step, self.cfg.training.save_total_limit)
-            self.log.event("checkpoint", f"checkpoint {final.name}", self.step, path=str(final))
-        self.dist.barrier()
-        return final
-
     # ---- the run ---------------------------------------------------------------------
     def run(self) -> TrainResult:
         self._setup()
@@ -340,9 +301,11 @@ class Trainer:
 
     def _run(self) -> TrainResult:
         from .evaluate import Evaluator
+        from .run_state import finish, resume, write_run_files
 
-        self._maybe_resume()
-        self._write_run_files()
+        if self.resume:
+            resume(self)
+        write_run_files(self)
         t = self.cfg.training
         evaluator = Evaluator(self) if self.eval_data else None
         result = TrainResult(self.run_dir, self.step)
@@ -375,53 +338,7 @@ class Trainer:
             bar.close()
         if evaluator and not (self.cfg.eval.steps and self.step % self.cfg.eval.steps == 0):
             result.eval_losses.append(evaluator.run()["eval_loss"])
-        return self._finish(result)
-
-    def _finish(self, result: TrainResult) -> TrainResult:
-        from .data import write_json_atomic
-
-        self.save_checkpoint()
-        result.steps = self.step
-        result.micro_batch_size, result.grad_ckpt = self.micro_batch_size, self.grad_ckpt
-        result.predicted_peak_bytes = self.predicted_peak_bytes
-        result.measured_peak_bytes = self._measured_peak()
-        if self.dist.is_main:
-            final = self.run_dir / "final"
-            tmp = ckpt.prepare_tmp(self.run_dir, 0)
-            ckpt.save_weights(self.model, tmp)
-            self.tokenizer.save_pretrained(str(tmp))
-            if final.exists():
-                import shutil
-
-                shutil.rmtree(final)
-            tmp.rename(final)
-            result.final_dir = final
-            write_json_atomic(self.run_dir / "summary.json", summary_dict(result, self))
-        return result
-
-    def _measured_peak(self) -> int | None:
-        import torch
-
-        if self.device.type == "cuda":
-            return int(self.dist.all_reduce([float(torch.cuda.max_memory_allocated())],
-                                            op="max")[0])
-        if self.cfg.training.memory_budget_gb:
-            return int(self.dist.all_reduce([float(self.tracked_peak_bytes)], op="max")[0])
-        return None
-
-
-def summary_dict(result: TrainResult, trainer: Trainer) -> dict[str, Any]:
-    return {"steps": result.steps, "first_loss": result.losses[0] if result.losses else None,
-            "final_loss": result.losses[-1] if result.losses else None,
-            "eval_losses": result.eval_losses, "micro_batch_size": result.micro_batch_size,
-            "grad_ckpt": result.grad_ckpt, "effective_batch": trainer.schedule.effective_batch,
-            "predicted_peak_bytes": result.predicted_peak_bytes,
-            "measured_peak_bytes": result.measured_peak_bytes,
-            "measured_peak_kind": ("cuda max_memory_allocated" if trainer.device.type == "cuda"
-                                   else "simulated (tracked tensors)" if
-                                   result.measured_peak_bytes else None),
-            "final_dir": str(result.final_dir) if result.final_dir else None}
-
+        return finish(self, result)
 
 def seed_everything(seed: int) -> None:
     import random
@@ -435,6 +352,8 @@ def seed_everything(seed: int) -> None:
 
 
 def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False,
-          progress: bool = False, on_step_end: Callable | None = None) -> TrainResult:
+          progress: bool = False, auto_fit: bool = False,
+          on_step_end: Callable | None = None) -> TrainResult:
     """Fine-tune as ``cfg`` says; the run folder gets logs, checkpoints and the result."""
-    return Trainer(cfg, Path(run_dir) if run_dir else None, resume, progress, on_step_end).run()
+    return Trainer(cfg, Path(run_dir) if run_dir else None, resume, progress, auto_fit,
+                   on_step_end).run()

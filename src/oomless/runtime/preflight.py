@@ -1,0 +1,153 @@
+"""Preflight: before loading weights, estimate the run; stop or auto-fit when it won't fit.
+
+The GPU to check against is ``hardware.gpu`` from the configuration, or the
+CUDA device this process runs on. Without either (CPU runs) there is nothing
+to check and the preflight says so.
+
+Integration point with the planner (``oomless.planner``, issue 4): when that
+module provides ``best_fit(cfg: RunConfig, cluster: Cluster) -> RunConfig |
+None`` — the fastest configuration that fits and keeps the effective batch —
+preflight uses it. Until then :func:`local_fit` searches micro batch ×
+gradient accumulation (same product) and gradient checkpointing with the
+analytic estimator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import RunConfig
+from ..errors import ConfigError
+from ..units import fmt_bytes
+
+
+class PreflightError(ConfigError):
+    """The run will not fit on its GPU; the message holds the breakdown and a plan."""
+
+
+@dataclass(frozen=True)
+class Preflight:
+    estimate: Any  # MemoryEstimate | None
+    cluster: Any  # Cluster | None
+    note: str
+    proposal: RunConfig | None = None
+    changes: dict[str, list[Any]] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.estimate is None else self.estimate.fits
+
+
+def detect_cluster(cfg: RunConfig) -> Any:
+    """The configured GPUs, else the CUDA device we run on, else None."""
+    from ..api import cluster_for
+
+    cluster = cluster_for(cfg)
+    if cluster is not None:
+        return cluster
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from ..errors import UnknownGPUError
+    from ..hardware import Cluster, get_gpu
+
+    name = torch.cuda.get_device_name(0)
+    total = torch.cuda.mem_get_info(0)[1]
+    try:
+        gpu = get_gpu(name)
+    except UnknownGPUError:
+        major, minor = torch.cuda.get_device_capability(0)
+        gpu = dataclasses.replace(get_gpu("a100-80gb"), name=name, display_name=name,
+                                  compute_capability=f"{major}.{minor}")
+    gpu = dataclasses.replace(gpu, memory_bytes=total)
+    return Cluster(gpu, cfg.hardware.gpus_per_node, cfg.hardware.nodes)
+
+
+def _estimate(cfg: RunConfig, model_dir: Path, cluster: Any) -> Any:
+    from ..catalog import resolve_model
+    from ..memory import estimate_training
+
+    spec = resolve_model(str(model_dir)).spec
+    return estimate_training(spec, cfg, cluster)
+
+
+def _fits(cfg: RunConfig, model_dir: Path, cluster: Any) -> bool:
+    return bool(_estimate(cfg, model_dir, cluster).fits)
+
+
+def local_fit(cfg: RunConfig, model_dir: Path, cluster: Any) -> RunConfig | None:
+    """Largest micro batch (accumulation compensating) that fits; checkpointing last."""
+    per_rank = cfg.micro_batch_size * cfg.grad_accum
+    micros = [m for m in range(cfg.micro_batch_size, 0, -1) if per_rank % m == 0]
+    for ckpt in ((False, True) if not cfg.grad_ckpt else (True,)):
+        for micro in micros:
+            cand = cfg.replace(micro_batch_size=micro, grad_accum=per_rank // micro,
+                               grad_ckpt=ckpt)
+            if _fits(cand, model_dir, cluster):
+                return cand
+    return None
+
+
+def best_fit(cfg: RunConfig, model_dir: Path, cluster: Any) -> RunConfig | None:
+    try:
+        from .. import planner
+    except ImportError:  # the planner has not landed: use the local search
+        planner = None
+    if planner is not None and hasattr(planner, "best_fit"):
+        return planner.best_fit(cfg.replace(model=str(model_dir)), cluster)
+    return local_fit(cfg, model_dir, cluster)
+
+
+def config_changes(old: RunConfig, new: RunConfig) -> dict[str, list[Any]]:
+    """Dotted keys whose values differ (model excluded), as [old, new]."""
+    def flat(d: dict, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(old.to_dict()), flat(new.to_dict())
+    return {k: [a.get(k), b[k]] for k in b if k != "model" and a.get(k) != b[k]}
+
+
+def run_preflight(cfg: RunConfig, model_dir: Path) -> Preflight:
+    cluster = detect_cluster(cfg)
+    if cluster is None:
+        return Preflight(None, None, "no GPU configured (hardware.gpu) or present: "
+                         "memory not checked before training")
+    est = _estimate(cfg, model_dir, cluster)
+    if est.fits:
+        return Preflight(est, cluster, f"fits on {cluster.describe()}: predicted "
+                         f"{fmt_bytes(est.device_peak_bytes)} of {fmt_bytes(est.gpu_memory_bytes)}")
+    proposal = best_fit(cfg, model_dir, cluster)
+    changes = config_changes(cfg, proposal) if proposal else {}
+    return Preflight(est, cluster, "does not fit", proposal, changes)
+
+
+def explain(pre: Preflight) -> str:
+    est = pre.estimate
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in
+                      sorted(est.components.items(), key=lambda kv: -kv[1]))
+    text = (f"predicted OUT OF MEMORY on {pre.cluster.describe()}: the {est.peak_phase} phase "
+            f"needs {fmt_bytes(est.device_peak_bytes)} of {fmt_bytes(est.gpu_memory_bytes)} "
+            f"({parts}).")
+    if pre.proposal is None:
+        return text + " No micro batch / checkpointing setting with the same effective batch " \
+                      "fits; run `oomless plan` for other methods, GPUs or sharding."
+    diff = ", ".join(f"{k}: {a} -> {b}" for k, a, b in
+                     ((k, *v) for k, v in pre.changes.items()))
+    return text + f" Best plan that fits (same effective batch): {diff}. " \
+                  "Rerun with --auto-fit (or training.auto_fit: true) to apply it."
+
+
+def apply(pre: Preflight, cfg: RunConfig, auto_fit: bool) -> RunConfig:
+    """The configuration to train with, or PreflightError when it won't fit."""
+    if pre.fits is not False:
+        return cfg
+    if not auto_fit or pre.proposal is None:
+        raise PreflightError(explain(pre))
+    return pre.proposal
