@@ -89,6 +89,7 @@ def _print_engine_args(args: argparse.Namespace, opts) -> int:
     import json
 
     from ..catalog import resolve_model
+    from ..errors import GPUUnavailableError
     from ..hardware import get_gpu
     from ..runtime.infer_vllm import device_memory, engine_args, gpu_spec_for
     from ..units import GiB, fmt_bytes
@@ -96,7 +97,11 @@ def _print_engine_args(args: argparse.Namespace, opts) -> int:
     if args.gpu:
         gpu, used = get_gpu(args.gpu), int(args.gpu_used_gb * GiB)
     else:
-        name, total, used = device_memory()
+        try:
+            name, total, used = device_memory()
+        except GPUUnavailableError as err:
+            raise GPUUnavailableError(f"{err}; or size for a catalog GPU with --gpu NAME") \
+                from None
         gpu = gpu_spec_for(name, total)
     engine, budget = engine_args(opts, resolve_model(opts.model).spec, gpu, used)
     print(json.dumps(engine, indent=2))

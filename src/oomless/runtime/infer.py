@@ -272,6 +272,8 @@ def read_items(path: str | Path, id_field: str | None) -> list[Item]:
     """Every record with its key (line, or ``id_field``); duplicate ids are an error."""
     from .data import RecordError, iter_raw_records
 
+    if not Path(path).is_file():
+        raise DataError(f"dataset '{path}' not found; give a .jsonl, .json or .parquet file")
     items, seen = [], {}
     for line, record in iter_raw_records(path):
         key: Any = line

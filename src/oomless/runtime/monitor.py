@@ -80,7 +80,7 @@ def nvml() -> Iterator[object]:
         pynvml.nvmlInit()
     except pynvml.NVMLError as err:
         raise GPUUnavailableError(
-            f"no NVIDIA GPU found (NVML: {err}); `oomless monitor` needs the NVIDIA driver"
+            f"no NVIDIA GPU found (NVML: {err}); this needs an NVIDIA GPU and its driver"
         ) from None
     try:
         if pynvml.nvmlDeviceGetCount() == 0:
