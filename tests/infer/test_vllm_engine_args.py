@@ -74,13 +74,15 @@ def test_nvml_names_map_to_the_catalog_with_the_real_total() -> None:
 
 
 def test_cli_engine_args_for_a_catalog_gpu(capsys) -> None:
-    argv = ["score", "x.jsonl", "--model", "qwen2.5-7b-instruct", "--out", "o.jsonl",
-            "--engine-args", "--gpu", "a6000", "--gpu-used-gb", "10"]
+    argv = ["score", "--model", "qwen2.5-7b-instruct", "--engine-args", "--gpu", "a6000",
+            "--gpu-used-gb", "10"]
     assert main(argv) == 0
     text = capsys.readouterr().out
     printed = json.loads(text[: text.rindex("}") + 1])
     assert printed["max_model_len"] == 1024 + 16 and 0 < printed["gpu_memory_utilization"] < 1
     assert "KV cache" in text
+    assert main(["score", "--model", "qwen2.5-7b-instruct"]) == 2
+    assert "needs a dataset and --out" in capsys.readouterr().err
 
 
 def test_engine_args_leave_torch_out() -> None:

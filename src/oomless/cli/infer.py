@@ -13,11 +13,11 @@ ORDER = 80
 
 
 def _common(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
-    p.add_argument("data", metavar="DATA.jsonl",
+    p.add_argument("data", metavar="DATA.jsonl", nargs="?",
                    help="records: prompt, alpaca, sharegpt or messages (.jsonl/.json/.parquet)")
     p.add_argument("--model", "-m", required=True,
                    help="local model folder or a model id in the Hugging Face cache")
-    p.add_argument("--out", "-o", required=True, metavar="OUT.jsonl",
+    p.add_argument("--out", "-o", metavar="OUT.jsonl",
                    help="results, appended per chunk; a rerun skips what is there")
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder (PEFT)")
     p.add_argument("--backend", choices=("auto", "vllm", "hf"), default="auto",
@@ -85,6 +85,14 @@ def _options(args: argparse.Namespace):
     )
 
 
+def _need_files(args: argparse.Namespace) -> None:
+    from ..errors import ConfigError
+
+    if not args.data or not args.out:
+        raise ConfigError(f"`oomless {args.command}` needs a dataset and --out OUT.jsonl "
+                          "(only --engine-args runs without them)")
+
+
 def _print_engine_args(args: argparse.Namespace, opts) -> int:
     import json
 
@@ -142,6 +150,7 @@ def _run_infer(args: argparse.Namespace) -> int:
     opts = _options(args)
     if args.engine_args:
         return _print_engine_args(args, opts)
+    _need_files(args)
     summary = infer_file(args.data, args.out, opts, overwrite=args.overwrite,
                          on_chunk=_progress())
     print(_summary_line(summary))
@@ -155,6 +164,7 @@ def _run_score(args: argparse.Namespace) -> int:
     opts = _options(args)
     if args.engine_args:
         return _print_engine_args(args, opts)
+    _need_files(args)
     template = DEFAULT_JUDGE_PROMPT
     if args.judge_prompt:
         from pathlib import Path
