@@ -172,8 +172,18 @@ class ModelSpec:
                 out.append(LinearSpec("shared_expert_gate", h, 1, False, 1, "router"))
         return out
 
+    def _derived(self, key: Any, compute: Any) -> Any:
+        """Memoise a derived value on this frozen instance (the planner asks per
+        candidate). Kept outside the dataclass fields: equality, hashing and
+        to_dict are unaffected."""
+        cache = self.__dict__.setdefault("_derived_cache", {})
+        if key not in cache:
+            cache[key] = compute()
+        return cache[key]
+
     def layer_linears(self, moe_layer: bool | None = None) -> list[LinearSpec]:
-        return self.attention_linears() + self.mlp_linears(moe_layer)
+        return list(self._derived(("layer_linears", moe_layer), lambda: tuple(
+            self.attention_linears() + self.mlp_linears(moe_layer))))
 
     @property
     def num_moe_layers(self) -> int:
@@ -230,7 +240,8 @@ class ModelSpec:
     @property
     def param_count(self) -> int:
         """All parameters, vision tower included (tied embeddings counted once)."""
-        return self.language_params + (self.vision.param_count if self.vision else 0)
+        return self._derived("param_count", lambda: self.language_params + (
+            self.vision.param_count if self.vision else 0))
 
     @property
     def active_param_count(self) -> int:

@@ -24,16 +24,25 @@ def allocator_reserve_bytes(peak_allocated: int, persistent: int, expandable: bo
     return max(C.ALLOC_RESERVE_MIN_BYTES, round(frac * max(0, peak_allocated - persistent)))
 
 
+def peak_bytes(phases: dict[str, dict[str, int]], persistent: dict[str, int],
+               cluster: Cluster | None, world_size: int,
+               expandable: bool) -> tuple[str, int, int, dict[str, int]]:
+    """(peak phase, peak allocated, allocator reserve, non-PyTorch bytes) of a
+    phase breakdown; the device peak is allocated + reserve + non-PyTorch."""
+    totals = {p: sum(d.values()) for p, d in phases.items()}
+    peak_phase = max(totals, key=totals.__getitem__)
+    peak_alloc = totals[peak_phase]
+    reserve = allocator_reserve_bytes(peak_alloc, sum(persistent.values()), expandable)
+    return peak_phase, peak_alloc, reserve, non_pytorch_bytes(cluster, world_size)
+
+
 def finish_estimate(*, spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None,
                     phases: dict[str, dict[str, int]], persistent: dict[str, int],
                     trainable: int, host_bytes: int, paged_bytes: int,
                     assumptions: list[str], expandable_segments: bool,
                     method: str = "analytic", extra: dict | None = None) -> MemoryEstimate:
-    totals = {p: sum(d.values()) for p, d in phases.items()}
-    peak_phase = max(totals, key=totals.__getitem__)
-    peak_alloc = totals[peak_phase]
-    reserve = allocator_reserve_bytes(peak_alloc, sum(persistent.values()), expandable_segments)
-    non_pt = non_pytorch_bytes(cluster, cfg.world_size)
+    peak_phase, peak_alloc, reserve, non_pt = peak_bytes(
+        phases, persistent, cluster, cfg.world_size, expandable_segments)
     assumptions = assumptions + [
         f"allocator reserve (reserved − allocated) = {C.ALLOC_RESERVE_FRACTION:.0%} of the "
         "non-persistent peak, at least 64 MiB (trace + allocator simulation refines it)",

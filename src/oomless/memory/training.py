@@ -16,7 +16,7 @@ from . import constants as C
 from .activations import LayerPlan, layer_activation_bytes
 from .overheads import finish_estimate
 from .precision import Dtypes, dtypes_for
-from .states import lora_targets, model_states
+from .states import States, lora_targets, model_states
 
 
 def llm_seq_len(spec: ModelSpec, cfg: RunConfig) -> int:
@@ -162,8 +162,24 @@ def estimate_training(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None =
     categories (they add up to the phase's allocated bytes), the peak phase,
     and the reserved/device peaks after allocator and CUDA overheads.
     """
+    phases, gpu_state, st = training_phases(spec, cfg, cluster)
+    assumptions = list(st.assumptions) + _training_assumptions(spec, cfg)
+    return finish_estimate(
+        spec=spec, cfg=cfg, cluster=cluster, phases=phases, persistent=gpu_state,
+        trainable=st.trainable_params, host_bytes=st.host_bytes, paged_bytes=st.paged_bytes,
+        assumptions=assumptions, expandable_segments=expandable_segments,
+    )
+
+
+def training_phases(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = None,
+                    states: States | None = None) -> tuple[dict[str, dict[str, int]],
+                                                           dict[str, int], States]:
+    """(phase breakdown, persistent bytes, model states): estimate_training
+    without the MemoryEstimate packaging. ``states``: model_states(spec, cfg)
+    computed earlier for a config with the same method, precision, optimizer,
+    LoRA, ZeRO/offload and GPUs (the planner reuses them across micro batches)."""
     dt = dtypes_for(cfg)
-    st = model_states(spec, cfg, dt)
+    st = states if states is not None else model_states(spec, cfg, dt)
     gpu_state = dict(st.gpu)
     # 16-bit gradients exist from a step's first backward until zero_grad after
     # the optimizer step (so through the forwards of accumulation steps);
@@ -175,13 +191,7 @@ def estimate_training(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None =
     gpu_state["cublas_workspace"] = 2 * (
         C.CUBLAS_WORKSPACE_HOPPER_BYTES if float(cap) >= 9.0 else C.CUBLAS_WORKSPACE_BYTES
     )
-    phases = _phases(spec, cfg, dt, gpu_state, grads, step_only)
-    assumptions = list(st.assumptions) + _training_assumptions(spec, cfg)
-    return finish_estimate(
-        spec=spec, cfg=cfg, cluster=cluster, phases=phases, persistent=gpu_state,
-        trainable=st.trainable_params, host_bytes=st.host_bytes, paged_bytes=st.paged_bytes,
-        assumptions=assumptions, expandable_segments=expandable_segments,
-    )
+    return _phases(spec, cfg, dt, gpu_state, grads, step_only), gpu_state, st
 
 
 def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
