@@ -214,3 +214,20 @@ def test_sizes_in_bytes_and_kib():
     assert e.numbers["requested_bytes"] == 512
     assert e.numbers["free_bytes"] == as_bytes("743.50", "KiB")
     assert e.numbers["reserved_unallocated_bytes"] == 18 * MiB
+
+
+@pytest.mark.parametrize("line, exit_code", [
+    ("Killed", -9),  # bash, after SIGKILL of the foreground job
+    ("./run.sh: line 3: 12345 Killed                  python train.py --bs 8", -9),
+    ("Container exited with code 137", 137),
+    ("subprocess.CalledProcessError: Command '['python', 'train.py']' died with <Signals.SIGKILL: 9>.", -9),
+    ("[launch.py:322:sigkill_handler] ['python', '-u', 'train.py'] exits with return code = -9", -9),
+])
+def test_sigkill_reports_of_shells_and_launchers(line, exit_code):
+    e = diagnose_text(line).findings[0].event
+    assert (e.kind, e.numbers["exit_code"]) == (PROCESS_KILLED, exit_code)
+    assert diagnose_text(line).findings[0].causes[0].code == "host_ram"
+
+
+def test_the_word_killed_inside_a_sentence_is_not_an_event():
+    assert not diagnose_text("This job was Killed at epoch 3 by the user").found

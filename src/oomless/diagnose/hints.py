@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 from .events import RunHints
+from .text import scan
 from .vllm import vllm_profile
 
 _SEP = r"""["']?\s*(?:=|:|\s)\s*["']?"""
@@ -23,8 +24,32 @@ def _key(*names: str) -> str:
     return rf"(?<![\w-])-{{0,2}}(?:{alternatives})\b{_SEP}"
 
 
-def _int_pattern(*names: str) -> re.Pattern[str]:
-    return re.compile(_key(*names) + r"(\d{1,7})\b")
+class _Setting:
+    """A setting's regex, tried only when one of its names (either spelling) is in the text."""
+
+    def __init__(self, pattern: str, names: tuple[str, ...]) -> None:
+        self.pattern = re.compile(pattern)
+        self.words = tuple({n for name in names for n in (name, name.replace("_", "-"))})
+
+    def search(self, text: str) -> re.Match[str] | None:
+        """The first match in text order, looking only at lines that hold a name."""
+        pos = 0
+        while True:
+            hits = [i for w in self.words if (i := text.find(w, pos)) >= 0]
+            if not hits:
+                return None
+            first = min(hits)
+            start = text.rfind("\n", 0, first) + 1
+            end = text.find("\n", first)
+            end = len(text) if end < 0 else end
+            m = self.pattern.search(text, start, end)
+            if m:
+                return m
+            pos = end + 1
+
+
+def _int_pattern(*names: str) -> _Setting:
+    return _Setting(_key(*names) + r"(\d{1,7})\b", names)
 
 
 _MICRO = _int_pattern("per_device_train_batch_size", "train_micro_batch_size_per_gpu",
@@ -38,21 +63,27 @@ _MAX_MODEL_LEN = _int_pattern("max_model_len")
 _WORLD = _int_pattern("nproc_per_node", "num_processes", "world_size", "num_gpus", "num_local_procs")
 # HF Trainer's banner: "***** Running Evaluation *****" then "  Batch size = 16"
 _EVAL_BANNER = re.compile(r"Running (?:Evaluation|Prediction) \*+(?:\n[^\n]*){0,4}?\n\s*Batch size = (\d+)")
-_UTIL = re.compile(_key("gpu_memory_utilization") + r"(0?\.\d{1,4}|1(?:\.0{1,4})?)\b")
+_UTIL = _Setting(_key("gpu_memory_utilization") + r"(0?\.\d{1,4}|1(?:\.0{1,4})?)\b",
+                 ("gpu_memory_utilization",))
 _ZERO_FILE = re.compile(r"\bzero_?(?:stage_?)?([0-3])(?:[_-]\w+)?\.json\b", re.IGNORECASE)
 _ZERO_STAGE = re.compile(r"""(?:zero_stage|"stage")\s*[:=]\s*([0-3])\b""")
-_CKPT = re.compile(_key("gradient_checkpointing", "grad_ckpt") + r"(True|False|true|false|1|0)\b")
+_CKPT = _Setting(_key("gradient_checkpointing", "grad_ckpt") + r"(True|False|true|false|1|0)\b",
+                 ("gradient_checkpointing", "grad_ckpt"))
 _PROGRESS = re.compile(r"(?<![\d/])(\d{1,7})/(\d{1,7}) \[[\d:]+<")
 _STEP = re.compile(r"\{'loss': [^}]*'epoch': ")
 
 
-def _first_int(pattern: re.Pattern[str], text: str) -> int | None:
+def _first_int(pattern: _Setting | re.Pattern[str], text: str) -> int | None:
     m = pattern.search(text)
     return int(m.group(1)) if m else None
 
 
+def _first(pattern: re.Pattern[str], text: str, *words: str) -> re.Match[str] | None:
+    return next(scan(pattern, text, words), None)
+
+
 def _zero_stage(text: str) -> int | None:
-    m = _ZERO_FILE.search(text) or _ZERO_STAGE.search(text)
+    m = _first(_ZERO_FILE, text, "zero", "ZeRO", "Zero") or _first(_ZERO_STAGE, text, "stage")
     return int(m.group(1)) if m else None
 
 
@@ -65,14 +96,19 @@ def steps_done(text: str, before: int) -> int | None:
     """Training steps finished before position ``before``: tqdm counters or logged losses."""
     region = text[:before]
     last = None
-    for m in _PROGRESS.finditer(region):
+    for m in scan(_PROGRESS, region, ("<",), before=60, after=10):
         done, total = int(m.group(1)), int(m.group(2))
         if total > 0 and done <= total:
             last = done
-    logged = len(_STEP.findall(region))
+    logged = sum(1 for _ in scan(_STEP, region, ("{'loss': ",), before=0, after=400))
     if last is None:
         return logged or None
     return max(last, logged)
+
+
+def _banner_eval_batch(text: str) -> int | None:
+    m = _first(_EVAL_BANNER, text, "Running Evaluation", "Running Prediction")
+    return int(m.group(1)) if m else None
 
 
 def read_hints(text: str, first_event_pos: int | None) -> RunHints:
@@ -83,7 +119,7 @@ def read_hints(text: str, first_event_pos: int | None) -> RunHints:
     return RunHints(
         micro_batch_size=_first_int(_MICRO, text),
         grad_accum=_first_int(_ACCUM, text),
-        eval_batch_size=_first_int(_EVAL, text) or _first_int(_EVAL_BANNER, text),
+        eval_batch_size=_first_int(_EVAL, text) or _banner_eval_batch(text),
         seq_len=_first_int(_SEQ, text),
         max_new_tokens=_first_int(_NEW, text),
         zero_stage=_zero_stage(text),
@@ -106,10 +142,10 @@ _FLUSHES = re.compile(r"(\d+) pytorch allocator cache flushes since last step")
 def context_notes(text: str) -> list[str]:
     """What launchers and DeepSpeed said around the failure, in words."""
     notes: list[str] = []
-    root = _ROOT_CAUSE.search(text)
+    root = _first(_ROOT_CAUSE, text, "Root Cause")
     if root:
         notes.append(f"torchrun: rank {root.group(1)} failed first (exit code {root.group(2)})")
-    flushes = [int(n) for n in _FLUSHES.findall(text)]
+    flushes = [int(m.group(1)) for m in scan(_FLUSHES, text, ("cache flushes",), before=40, after=10)]
     if flushes:
         notes.append(
             f"DeepSpeed warned {len(flushes)} time(s) of allocator cache flushes (up to {max(flushes)} "

@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterator
 
 from .events import HOST_OOM, PROCESS_KILLED, OomEvent
-from .text import LogText, squeeze
+from .text import LogText, scan, squeeze
 
 KERNEL = re.compile(
     r"(?:Memory cgroup )?[Oo]ut of memory: Kill(?:ed)? process (?P<pid>\d+) \((?P<name>[^)\n]{0,64})\)"
@@ -62,29 +62,34 @@ def _pid(text: str | None) -> dict[str, int | float]:
     return {"pid": int(digits[0])} if digits else {}
 
 
+def _matches(pattern: re.Pattern[str], text: str, *words: str) -> Iterator[re.Match[str]]:
+    """``pattern``'s matches near one of ``words`` (see :func:`.text.scan`)."""
+    yield from scan(pattern, text, words)
+
+
 def _kernel(log: LogText) -> Iterator[OomEvent]:
-    for m in KERNEL.finditer(log.text):
+    for m in _matches(KERNEL, log.text, "ut of memory: Kill"):
         numbers = _pid(m.group("pid"))
         if m.group("rss"):
             numbers["rss_bytes"] = int(m.group("rss")) * 1024  # the kernel's kB are KiB
             numbers["virtual_bytes"] = int(m.group("vm")) * 1024
         yield _event(log, m, HOST_OOM, "kernel", numbers=numbers)
-    for m in CPU_ALLOCATOR.finditer(log.text):
+    for m in _matches(CPU_ALLOCATOR, log.text, "DefaultCPUAllocator"):
         yield _event(log, m, HOST_OOM, "pytorch-cpu", numbers={"requested_bytes": int(m.group("req"))})
-    for m in DATALOADER.finditer(log.text):
+    for m in _matches(DATALOADER, log.text, "DataLoader worker"):
         yield _event(log, m, HOST_OOM, "dataloader", numbers=_pid(m.group("pid")), phase="data_loading")
-    for m in CLUSTER_KILL.finditer(log.text):
+    for m in _matches(CLUSTER_KILL, log.text, "oom", "OOM", "memory limit", "Out Of Memory"):
         yield _event(log, m, HOST_OOM, "scheduler")
 
 
 def _kills(log: LogText) -> Iterator[OomEvent]:
-    for m in TORCHRUN_FAILED.finditer(log.text):
+    for m in _matches(TORCHRUN_FAILED, log.text, "exitcode"):
         numbers = {**_pid(m.group("pid")), "exit_code": int(m.group("code"))}
         yield _event(log, m, PROCESS_KILLED, "torchrun", numbers=numbers, rank=int(m.group("rank")))
-    for m in CHILD_FAILED.finditer(log.text):
+    for m in _matches(CHILD_FAILED, log.text, "exitcode"):
         numbers = {**_pid(m.group("pid")), "exit_code": int(m.group("code"))}
         yield _event(log, m, PROCESS_KILLED, "torchrun", numbers=numbers, rank=int(m.group("rank")))
-    for m in SIGKILL.finditer(log.text):
+    for m in _matches(SIGKILL, log.text, "Killed", "return code", "SIGKILL", "137"):
         code = m.group("code") or m.group("code137")
         numbers = _pid(m.group("pid"))
         numbers["exit_code"] = int(code) if code else -9

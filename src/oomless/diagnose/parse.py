@@ -25,12 +25,13 @@ Message formats, with where they are written:
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Iterator
 
 from .events import BNB_OOM, CUDA_ERROR_OOM, CUDA_OOM, NCCL_OOM, OomEvent, ProcessMemory
 from .sizes import ANY_SIZE, group_bytes, size
-from .text import LogText, squeeze
+from .text import LogText, scan, squeeze
 
 _S = r"\s+"
 _EXC = r"(?:[\w.]*(?:Error|Exception)\s*:\s*)?"
@@ -175,24 +176,46 @@ def _bare(log: LogText, m: re.Match[str]) -> OomEvent:
 
 
 # Specific patterns first: a span they read is not read again by the generic ones.
-_SPECIFIC = ((TORCH2, _torch2), (TORCH1, _torch1), (MALLOC_ASYNC, _malloc_async), (BNB, _bnb))
-_GENERIC = ((NCCL_WARN, _nccl_warn), (NCCL_UNHANDLED, _nccl_unhandled),
-            (CUDA_ERROR, _cuda_error), (BARE_TORCH, _bare))
+# Each runs only when one of its words is in the text (long logs rarely hold any).
+_SPECIFIC = (
+    (TORCH2, _torch2, ("capac",)), (TORCH1, _torch1, ("capacity",)),
+    (MALLOC_ASYNC, _malloc_async, ("exceed",)), (BNB, _bnb, ("Error out of memory",)),
+)
+_GENERIC = (
+    (NCCL_WARN, _nccl_warn, ("NCCL WARN",)), (NCCL_UNHANDLED, _nccl_unhandled, ("ncclUnhandled",)),
+    (CUDA_ERROR, _cuda_error, ("error", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation")),
+    (BARE_TORCH, _bare, ("out of memory",)),
+)
 
 
-def _inside(pos: int, spans: list[tuple[int, int]]) -> bool:
-    return any(start <= pos < end for start, end in spans)
+class _Spans:
+    """Character ranges already read, merged, for O(log n) membership tests."""
+
+    def __init__(self, spans: list[tuple[int, int]]) -> None:
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(spans):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        self.starts = [s for s, _ in merged]
+        self.ends = [e for _, e in merged]
+
+    def __contains__(self, pos: int) -> bool:
+        i = bisect.bisect_right(self.starts, pos) - 1
+        return i >= 0 and pos < self.ends[i]
 
 
 def find_gpu_events(log: LogText) -> Iterator[OomEvent]:
     """Every GPU out-of-memory message of the log, in no particular order."""
     spans: list[tuple[int, int]] = []
-    for pattern, build in _SPECIFIC:
-        for m in pattern.finditer(log.text):
+    for pattern, build, words in _SPECIFIC:
+        for m in scan(pattern, log.text, words):
             spans.append((m.start(), max(m.end(), m.start() + 1)))
             yield build(log, m)
-    for pattern, build in _GENERIC:
-        for m in pattern.finditer(log.text):
-            if not _inside(m.start(), spans) and not _inside(m.end() - 1, spans):
+    read = _Spans(spans)
+    for pattern, build, words in _GENERIC:
+        for m in scan(pattern, log.text, words):
+            if m.start() not in read and m.end() - 1 not in read:
                 yield build(log, m)
 

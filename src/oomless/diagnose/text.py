@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
@@ -31,6 +32,10 @@ _PREFIXES = (
     re.compile(r"[│┃|]\s"),
 )
 _BOX_END = re.compile(r"\s*[│┃]\s*$")
+# Cheap test first: most lines of a long log carry none of the prefixes above.
+_MAYBE_PREFIX = re.compile(
+    r"\s*(?:[\[(│┃|]|(?:INFO|WARNING|WARN|ERROR|DEBUG|CRITICAL)\s|[IWEF]\d{4}\s|\d{4}-\d\d-)"
+)
 _MAX_PREFIX_ROUNDS = 8
 
 
@@ -43,7 +48,10 @@ class CleanLine:
 
 def clean_line(raw: str) -> CleanLine:
     """Strip escape codes and known prefixes; remember rank and worker pid."""
-    text = _ANSI.sub("", raw).replace("\x00", "").rstrip("\r")
+    text = _ANSI.sub("", raw) if "\x1b" in raw else raw
+    text = text.replace("\x00", "").rstrip("\r")
+    if not _MAYBE_PREFIX.match(text):
+        return CleanLine(text, None, None)
     rank: int | None = None
     pid: int | None = None
     for _ in range(_MAX_PREFIX_ROUNDS):
@@ -108,3 +116,35 @@ def squeeze(text: str, limit: int = 600) -> str:
     """Whitespace-normalised text, cut to ``limit`` characters."""
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _windows(text: str, words: tuple[str, ...], before: int, after: int) -> list[tuple[int, int]]:
+    """Merged ranges around every occurrence of ``words``, starting at a line start."""
+    ranges: list[tuple[int, int]] = []
+    for word in words:
+        i = text.find(word)
+        while i >= 0:
+            start = text.rfind("\n", 0, max(0, i - before)) + 1
+            ranges.append((start, min(len(text), i + len(word) + after)))
+            i = text.find(word, i + len(word) + after // 2)
+    ranges.sort()
+    merged: list[tuple[int, int]] = []
+    for start, end in ranges:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def scan(pattern: re.Pattern[str], text: str, words: tuple[str, ...],
+         before: int = 400, after: int = 2500) -> Iterator[re.Match[str]]:
+    """``pattern.finditer`` restricted to the neighbourhood of ``words``.
+
+    Long logs hold hundreds of thousands of lines and few errors; scanning
+    only near a keyword keeps a regex pass proportional to the errors. Every
+    pattern passed here matches within ``before``/``after`` characters of
+    one of its words.
+    """
+    for start, end in _windows(text, words, before, after):
+        yield from pattern.finditer(text, start, end)

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 from .events import VLLM_FREE_MEMORY, VLLM_MAX_LEN, VLLM_NO_KV, OomEvent
 from .sizes import NUM, group_bytes, size, to_bytes
-from .text import LogText, squeeze
+from .text import LogText, scan, squeeze
 
 _S = r"\s+"
 _GIB = 1024**3
@@ -83,25 +83,26 @@ def _event(log: LogText, m: re.Match[str], kind: str, numbers: dict) -> OomEvent
 
 
 def find_vllm_events(log: LogText) -> Iterator[OomEvent]:
-    for m in NO_KV.finditer(log.text):
+    text = log.text
+    for m in scan(NO_KV, text, ("cache blocks", "cache\nblocks")):
         yield _event(log, m, VLLM_NO_KV, {})
-    for m in MAX_LEN_V0.finditer(log.text):
+    for m in scan(MAX_LEN_V0, text, ("stored in KV cache",), before=600):
         yield _event(log, m, VLLM_MAX_LEN, {"max_model_len": int(m.group("len")),
                                             "kv_cache_tokens": int(m.group("tokens"))})
-    for m in MAX_LEN_V1.finditer(log.text):
+    for m in scan(MAX_LEN_V1, text, ("To serve at least one request",)):
         numbers: dict[str, int | float] = {"max_model_len": int(m.group("len"))}
         numbers["kv_needed_bytes"] = group_bytes(m, "need") or 0
         numbers["kv_available_bytes"] = group_bytes(m, "avail") or 0
         if m.group("est"):
             numbers["estimated_max_model_len"] = int(m.group("est"))
         yield _event(log, m, VLLM_MAX_LEN, numbers)
-    for m in MAX_LEN_DEV.finditer(log.text):
+    for m in scan(MAX_LEN_DEV, text, ("KV cache needed",)):
         yield _event(log, m, VLLM_MAX_LEN, {  # this message divides by 1024**3 and says GB
             "max_model_len": int(m.group("len")),
             "kv_needed_bytes": to_bytes(m.group("need"), "GB", binary_gb=True),
             "kv_available_bytes": to_bytes(m.group("avail"), "GB", binary_gb=True),
         })
-    for m in FREE_MEMORY.finditer(log.text):
+    for m in scan(FREE_MEMORY, text, ("Free memory on device",)):
         yield _event(log, m, VLLM_FREE_MEMORY, {
             "free_bytes": _gib(m.group("free")), "total_bytes": _gib(m.group("total")),
             "gpu_memory_utilization": float(m.group("util")),
@@ -113,18 +114,18 @@ def vllm_profile(text: str, before: int | None = None) -> dict[str, int | float]
     """The last memory-profiling numbers vLLM logged (before position ``before``)."""
     region = text if before is None else text[:before]
     out: dict[str, int | float] = {}
-    for m in _BUDGET.finditer(region):
+    for m in scan(_BUDGET, region, ("total_gpu_memory",)):
         out["total_bytes"] = _gib(m.group("total"))
         out["gpu_memory_utilization"] = float(m.group("util"))
         out["budget_bytes"] = _gib(m.group("budget"))
-    for m in _WEIGHTS_TOOK.finditer(region):
+    for m in scan(_WEIGHTS_TOOK, region, ("loading took", "weights took")):
         out["weights_bytes"] = _gib(m.group("weights"))
-    for m in _SPLIT.finditer(region):
+    for m in scan(_SPLIT, region, ("model weights take",)):
         for key in ("weights", "non_torch", "activation", "kv"):
             name = "kv_cache_bytes" if key == "kv" else f"{key}_bytes"
             out[name] = _gib(m.group(key))
-    for m in _AVAILABLE_KV.finditer(region):
+    for m in scan(_AVAILABLE_KV, region, ("Available KV cache memory",)):
         out["kv_cache_bytes"] = _gib(m.group("kv"))
-    for m in _KV_TOKENS.finditer(region):
+    for m in scan(_KV_TOKENS, region, ("KV cache size",)):
         out["kv_cache_tokens"] = int(m.group("tokens").replace(",", ""))
     return out
