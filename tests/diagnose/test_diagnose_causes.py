@@ -241,3 +241,32 @@ def test_training_preserving_fixes_come_first_and_json_round_trips(name):
         for key, value in event["event"]["numbers"].items():
             if key.endswith("_bytes"):
                 assert isinstance(value, int)
+
+
+def test_config_with_several_gpus_and_no_zero3_shows_the_replicated_states():
+    # seed 001: GLM-4-9B LoRA with plain data parallelism on four RTX 4090s
+    cfg = RunConfig(model="glm-4-9b-chat", method="lora", micro_batch_size=1, seq_len=2048,
+                    hardware={"gpu": "4090", "gpus_per_node": 4})
+    text = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.16 GiB. GPU 0 has a total "
+            "capacity of 23.65 GiB of which 601.06 MiB is free. Including non-PyTorch memory, this process "
+            "has 23.03 GiB memory in use. Of the allocated memory 22.43 GiB is allocated by PyTorch, and "
+            "102.00 MiB is reserved by PyTorch but unallocated.")
+    f = diagnose_text(text, cfg).findings[0]
+    cause = next(c for c in f.causes if c.code == "replicas")
+    assert cause.numbers["world_size"] == 4
+    assert cause.numbers["sharded_states_bytes"] < cause.numbers["states_bytes"]
+    zero3 = next(x for x in f.fixes if x.code == "zero3")
+    spec = resolve_model("glm-4-9b-chat").spec
+    from oomless.api import cluster_for
+
+    expected = estimate_training(spec, cfg.replace(zero=3), cluster_for(cfg)).device_peak_bytes
+    assert zero3.predicted_peak_bytes == expected
+
+
+def test_every_fix_carries_a_prediction_with_a_config_for_training_events():
+    cfg = seed002_config()
+    for name in ("seed002_torch2.log", "torch21_capacty_eval_fragmentation.log",
+                 "torch2_other_processes.log", "deepspeed_stage3_step_oom.log"):
+        for f in diagnose_text(read_fixture(name), cfg).findings:
+            for fix in f.fixes:
+                assert fix.predicted_peak_bytes is not None, (name, fix.code)

@@ -141,7 +141,31 @@ def find_events(log: LogText) -> tuple[list[OomEvent], list[str]]:
     return events, notes
 
 
-def _situation(events: list[OomEvent], hints: RunHints, cfg: RunConfig | None, spec) -> Situation:
+# Model-state categories of an estimate (result.py breakdown), the part ZeRO shards.
+_STATE_KEYS = ("weights", "gradients", "optimizer", "master_weights", "grad_partition_fp32")
+
+
+def _replica_states(spec, cfg: RunConfig | None, cluster: Cluster | None) -> tuple[int, int] | None:
+    """Model states per GPU as configured and with ZeRO-3, when N GPUs run plain data
+    parallelism (ZeRO-1/2 already shard by choice)."""
+    if cfg is None or spec is None or cluster is None or cfg.world_size < 2 or cfg.zero != 0:
+        return None
+    from ..errors import ConfigError
+    from ..memory import estimate_training
+
+    def states(c: RunConfig) -> int:
+        phase = estimate_training(spec, c, cluster).breakdown["optimizer"]
+        return sum(v for k, v in phase.items() if k in _STATE_KEYS)
+
+    try:
+        sharded = cfg.replace(zero=3, offload="none")
+    except ConfigError:  # e.g. QLoRA, which ZeRO-3 does not shard here
+        return None
+    return states(cfg), states(sharded)
+
+
+def _situation(events: list[OomEvent], hints: RunHints, cfg: RunConfig | None, spec,
+               cluster: Cluster | None = None) -> Situation:
     tokens: tuple[int, ...] = ()
     vocab = None
     if cfg is not None and spec is not None:
@@ -156,6 +180,8 @@ def _situation(events: list[OomEvent], hints: RunHints, cfg: RunConfig | None, s
         micro_batch_size=cfg.micro_batch_size if cfg else hints.micro_batch_size,
         eval_batch_size=cfg.eval_batch_size if cfg else hints.eval_batch_size,
         logits_tokens=tokens, vocab_size=vocab,
+        world_size=cfg.world_size if cfg else (hints.world_size or 1),
+        replica_states=_replica_states(spec, cfg, cluster),
     )
 
 
@@ -208,15 +234,15 @@ def diagnose_text(text: str, cfg: RunConfig | None = None, cluster: Cluster | No
         from ..catalog import resolve_model
 
         spec = resolve_model(cfg.model).spec
-    s = _situation(events, hints, cfg, spec)
     totals = [int(e.numbers["total_bytes"]) for e in events if e.numbers.get("total_bytes")]
     if cluster is None and (cfg is not None or totals):
         cluster = choose_cluster(cfg, None, totals[0] if totals else None)
+    s = _situation(events, hints, cfg, spec, cluster)
     findings = []
     cache: dict = {}
     for event in events:
         predictor = None
-        if cfg is not None and spec is not None and cluster is not None:
+        if cfg is not None and spec is not None and cluster is not None and event.library != "vllm":
             predictor = Predictor(spec, cfg, cluster, gpu_view(event).others_bytes, cache)
             if event.kind == CUDA_OOM and (note := _calibration_note(event, predictor)) and note not in notes:
                 notes.append(note)

@@ -54,6 +54,9 @@ class Situation:
     eval_batch_size: int | None = None
     logits_tokens: tuple[int, ...] = ()  # tokens per micro batch (train, eval) when known
     vocab_size: int | None = None
+    # From the run config and the estimator: GPUs, and model states per GPU now / with ZeRO-3
+    world_size: int = 1
+    replica_states: tuple[int, int] | None = None
 
 
 def _c(code: str, title: str, evidence: str, **numbers: int | float) -> Cause:
@@ -132,9 +135,23 @@ def logits(event: OomEvent, view: GpuView, s: Situation) -> tuple[float, Cause] 
     return None
 
 
-def replicas(event: OomEvent, s: Situation) -> tuple[float, Cause] | None:
-    if event.rank is None or (s.zero_stage is not None and s.zero_stage >= 3):
+def _configured_replicas(event: OomEvent, s: Situation) -> tuple[float, Cause] | None:
+    """The run config says N GPUs without ZeRO-3: each one holds the full model state."""
+    if s.replica_states is None or event.kind not in GPU_KINDS:
         return None
+    now, sharded = s.replica_states
+    stage = "no ZeRO" if not s.zero_stage else f"ZeRO-{s.zero_stage}"
+    return 2.6, _c("replicas", "Full replicas on every GPU where sharding was meant",
+                   f"{s.world_size} GPUs ({stage}) each hold {fmt_bytes(now)} of weights, gradients and "
+                   f"optimizer states; sharded over {s.world_size} (ZeRO-3) it would be {fmt_bytes(sharded)}",
+                   states_bytes=now, sharded_states_bytes=sharded, world_size=s.world_size)
+
+
+def replicas(event: OomEvent, s: Situation) -> tuple[float, Cause] | None:
+    if s.zero_stage is not None and s.zero_stage >= 3:
+        return None
+    if event.rank is None:
+        return _configured_replicas(event, s)
     per_rank: dict[int, int] = {}
     for e in s.events:
         alloc = e.numbers.get("allocated_bytes")
@@ -142,10 +159,10 @@ def replicas(event: OomEvent, s: Situation) -> tuple[float, Cause] | None:
             per_rank.setdefault(e.rank, int(alloc))
     mine = per_rank.get(event.rank)
     if len(per_rank) < 2 or not mine:
-        return None
+        return _configured_replicas(event, s)
     same = [r for r, a in per_rank.items() if abs(a - mine) <= REPLICA_TOLERANCE * mine]
     if len(same) < 2:
-        return None
+        return _configured_replicas(event, s)
     stage = "no ZeRO" if s.zero_stage in (None, 0) else f"ZeRO-{s.zero_stage}"
     return 2.8, _c("replicas", "Full replicas on every GPU where sharding was meant",
                    f"{len(same)} ranks each hold ≈{fmt_bytes(mine)} allocated ({stage}): every GPU "

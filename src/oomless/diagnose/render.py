@@ -71,7 +71,8 @@ def render(diagnosis: Diagnosis, console: Console | None = None) -> None:
         for note in diagnosis.notes:
             console.print(Text(f"note: {note}", style="dim"))
         return
-    if diagnosis.gpu and diagnosis.gpu_memory_bytes:
+    estimated = any(f.prediction == "estimator" for x in diagnosis.findings for f in x.fixes)
+    if estimated and diagnosis.gpu and diagnosis.gpu_memory_bytes:
         console.print(Text(f"Predictions for {diagnosis.gpu} "
                            f"({fmt_bytes(diagnosis.gpu_memory_bytes)})", style="dim"))
     count = len(diagnosis.findings)
