@@ -141,3 +141,28 @@ def test_preflight_without_a_gpu_says_it_did_not_check(tiny_model_dir, run_confi
     assert pre.fits is None and "not checked" in pre.note
     fits = run_preflight(run_config(**{"hardware.gpu": "t4"}), tiny_model_dir)
     assert fits.fits is True and "fits on" in fits.note
+
+
+def test_cli_train_and_resume(run_config, tmp_path, capsys):
+    from oomless.cli import main
+    from oomless.config import dump_run_config
+
+    cfg = run_config(**{"training.max_steps": 2})
+    path = tmp_path / "oomless.yaml"
+    path.write_text(dump_run_config(cfg))
+    assert main(["train", str(path), "--no-progress"]) == 0
+    assert "next: oomless report" in capsys.readouterr().out
+    longer = cfg.replace(**{"training.max_steps": 3})
+    path.write_text(dump_run_config(longer))
+    assert main(["train", str(path), "--resume", "--no-progress"]) == 0
+    assert [s["step"] for s in read_steps(cfg.training.output_dir)] == [1, 2, 3]
+
+
+def test_cli_user_errors_exit_2_without_traceback(tmp_path, capsys):
+    from oomless.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: x\nmicro_batch_size: 0\n")
+    assert main(["train", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "micro_batch_size" in err and "Traceback" not in err

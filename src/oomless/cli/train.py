@@ -1,0 +1,95 @@
+"""``oomless train oomless.yaml [--resume] [--auto-fit]``: fine-tune without OOM surprises."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+ORDER = 40
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="fine-tune (LoRA, QLoRA, full): preflight, OOM recovery, memory log, checkpoints",
+        description="Supervised fine-tuning with transformers + PEFT as oomless.yaml says. "
+        "Checks the predicted memory before loading weights, recovers from OOM by halving "
+        "the micro batch while keeping the effective batch, logs memory per step, and "
+        "checkpoints atomically. Several GPUs: started through `accelerate launch`.",
+    )
+    p.add_argument("config", metavar="CONFIG.yaml", help="run configuration (see docs/config.md)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in training.output_dir")
+    p.add_argument("--auto-fit", action="store_true",
+                   help="if the run is predicted not to fit, apply the best plan that does")
+    p.add_argument("--output-dir", metavar="DIR", help="override training.output_dir")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with several GPUs: print the launch command instead of running it")
+    p.set_defaults(func=_run)
+
+
+def quiet_libraries() -> None:
+    """Hide transformers' per-load progress bars and advisory warnings."""
+    import os
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():  # DeepSpeed would warn that it fell back to CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+
+
+def render_summary(out: Any, result: Any) -> None:
+    from ..runtime.memlog import read_events
+    from ..units import fmt_bytes
+
+    losses = result.losses
+    if losses:
+        out.print(f"  loss {losses[0]:.3f} -> {losses[-1]:.3f} over {result.steps} steps "
+                  f"(micro batch now {result.micro_batch_size}"
+                  f"{', gradient checkpointing on' if result.grad_ckpt else ''})")
+    for e in read_events(result.run_dir):
+        if e["event"] in ("oom", "eval_oom", "auto_fit", "resume"):
+            out.print(f"  [yellow]{e['event']}[/] step {e['step']}: {e['message']}")
+    if result.eval_losses:
+        out.print(f"  eval loss {result.eval_losses[-1]:.3f}")
+    predicted = fmt_bytes(result.predicted_peak_bytes) if result.predicted_peak_bytes else "n/a"
+    if result.measured_peak_bytes:
+        out.print(f"  peak memory: predicted {predicted}, measured "
+                  f"{fmt_bytes(result.measured_peak_bytes)}")
+    else:
+        out.print(f"  peak memory: predicted {predicted} per GPU; measured: n/a on CPU "
+                  "(set training.memory_budget_gb to track a simulated GPU)")
+    out.print(f"  run folder {result.run_dir} (memlog.jsonl, events.jsonl, checkpoints/, final/)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    import os
+
+    from ..config import load_run_config
+
+    cfg = load_run_config(args.config)
+    if args.output_dir:
+        cfg = cfg.replace(**{"training.output_dir": args.output_dir})
+    if cfg.world_size > 1 and "WORLD_SIZE" not in os.environ:
+        from ..runtime.launch import launch
+
+        return launch(cfg, args)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    quiet_libraries()
+    from ..runtime.train import train
+    from ._render import console
+
+    out = console()
+    result = train(cfg, resume=args.resume, auto_fit=args.auto_fit,
+                   progress=not args.no_progress)
+    if int(os.environ.get("RANK", "0")) == 0:
+        render_summary(out, result)
+        out.print(f"next: oomless report {result.run_dir}")
+    return 0

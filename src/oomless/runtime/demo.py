@@ -1,0 +1,92 @@
+"""``oomless demo``: plan → train → report on a tiny local model, offline, on CPU.
+
+Everything the demo needs is made here or shipped with the package: a tiny
+random-weight Qwen2-style model and a tokenizer trained locally
+(runtime/tiny.py), and ~200 instruction records (oomless/data/demo_sft.jsonl).
+One OOM is injected on purpose at step 10 so that the recovery shows.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import RunConfig, dump_run_config
+from .tiny import build_tiny_model, demo_data_path
+
+DEMO_STEPS = 30
+OOM_STEP = 10
+EVAL_RECORDS = 16
+
+
+@dataclass(frozen=True)
+class DemoFiles:
+    out_dir: Path
+    model_dir: Path
+    train_file: Path
+    eval_file: Path
+    config_file: Path
+    config: RunConfig
+
+
+def demo_config(model_dir: Path, train_file: Path, eval_file: Path, run_dir: Path) -> RunConfig:
+    """LoRA on the tiny model: micro batch 4 x accumulation 2, fp32 on CPU."""
+    return RunConfig.model_validate({
+        "model": str(model_dir), "method": "lora", "precision": "fp32",
+        "micro_batch_size": 4, "grad_accum": 2, "seq_len": 128, "attn": "sdpa",
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "targets": "all-linear"},
+        "data": {"train_file": str(train_file), "eval_file": str(eval_file)},
+        "eval": {"batch_size": 8, "predict_with_generate": True, "max_new_tokens": 12},
+        "training": {"output_dir": str(run_dir), "max_steps": DEMO_STEPS,
+                     "learning_rate": 1e-2, "warmup_ratio": 0.1, "lr_scheduler": "cosine",
+                     "seed": 0, "inject_oom": [{"step": OOM_STEP, "rank": 0}]},
+    })
+
+
+def prepare_demo(out_dir: str | Path) -> DemoFiles:
+    """Write the tiny model, the data and ``oomless.yaml`` under ``out_dir``."""
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = build_tiny_model(out / "tiny-qwen2")
+    data_dir = out / "data"
+    data_dir.mkdir(exist_ok=True)
+    train_file = data_dir / "demo_sft.jsonl"
+    shutil.copyfile(demo_data_path(), train_file)
+    eval_file = data_dir / "demo_eval.jsonl"
+    lines = train_file.read_text().splitlines()[:EVAL_RECORDS]
+    eval_file.write_text("".join(x + "\n" for x in lines))
+    cfg = demo_config(model_dir, train_file, eval_file, out / "run")
+    config_file = out / "oomless.yaml"
+    config_file.write_text(dump_run_config(cfg))
+    return DemoFiles(out, model_dir, train_file, eval_file, config_file, cfg)
+
+
+def estimate_demo(files: DemoFiles) -> Any:
+    """The analytic per-GPU estimate of the demo run (a MemoryEstimate)."""
+    from ..catalog import resolve_model
+    from ..memory import estimate_training
+
+    return estimate_training(resolve_model(str(files.model_dir)).spec, files.config)
+
+
+def report_demo(run_dir: Path) -> Path | None:
+    """``oomless report`` of the run, when plotly is installed (else None)."""
+    from ..errors import OomlessError
+
+    try:
+        from ..report import load_report_data, require_plotly, write_report
+
+        require_plotly()
+    except (ImportError, OomlessError):
+        return None
+    return write_report(load_report_data(run_dir), run_dir / "report.html")
+
+
+NEXT_STEPS = """\
+Next, for a real model (download it first; oomless itself never goes online):
+  oomless estimate Qwen/Qwen2.5-7B-Instruct --method qlora --gpu 4090 --grad-ckpt
+  oomless plan Qwen/Qwen2.5-7B-Instruct --gpu 4090 --data your_data.jsonl --out plan/
+  oomless train plan/oomless.yaml          # add --auto-fit to apply the best plan if it won't fit
+  oomless report {run_dir}"""
