@@ -29,7 +29,8 @@ def _title(finding: Finding, index: int, count: int) -> Text:
     parts = [f"Out of memory {index}/{count}"]
     if e.rank is not None:
         parts.append(f"rank {e.rank}")
-    parts.append(_SOURCES.get(e.source, e.source) + (f" in {e.library}" if e.library else ""))
+    source = _SOURCES.get(e.source, e.source)
+    parts.append(source + (f" in {e.library}" if e.library and e.library not in source.lower() else ""))
     if e.phase != "unknown":
         parts.append(e.phase.replace("_", " "))
     if e.occurrences > 1:
