@@ -59,6 +59,16 @@ class Dist:
         dist.all_gather(out, t)
         return [o.tolist() for o in out]
 
+    def gather_objects(self, obj: object) -> list[object]:
+        """Every rank's picklable ``obj``, in rank order (small objects only)."""
+        if not self.active:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[object] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def sum_gradients(self, params: list[Any]) -> None:
         """Sum the gradients of ``params`` over ranks, in one flat buffer."""
         if not self.active:

@@ -252,11 +252,11 @@ class Trainer:
                 loss_sum = self._accumulate(indices, denom)
             except torch.OutOfMemoryError as err:
                 error = str(err).splitlines()[0]
-            flags = self.dist.gather([1.0 if error else 0.0])
-            ranks = [r for r, f in enumerate(flags) if f[0]]
-            if not ranks:
+            if not self.dist.any_true(bool(error)):
                 break
-            self._recover(step, indices, error or "OOM on another rank", ranks)
+            errors = self.dist.gather_objects(error)  # the agreement: every rank changes
+            ranks = [r for r, e in enumerate(errors) if e]
+            self._recover(step, indices, errors[ranks[0]], ranks)
             ckpt.set_rng_state(rng)
         self.dist.sum_gradients(self.params)
         grad_norm = None
@@ -280,12 +280,16 @@ class Trainer:
 
     def _memory_fields(self) -> dict[str, Any]:
         mem = device_memory(self.device)
+        mem["micro_batch_size"] = self.micro_batch_size
         keys = sorted(mem)
         per_rank = self.dist.gather([float(mem[k]) for k in keys])
         out: dict[str, Any] = {}
         for i, k in enumerate(keys):
             values = [int(r[i]) for r in per_rank]
-            out[k] = values if k != "host_rss_bytes" else max(values)
+            if k == "micro_batch_size":
+                out["micro_batch_size_per_rank"] = values
+            else:
+                out[k] = values if k != "host_rss_bytes" else max(values)
         if self.cfg.training.memory_budget_gb and self.device.type == "cpu":
             out["simulated_peak_bytes"] = self.step_peak_bytes
         out["predicted_peak_bytes"] = self.predicted_peak_bytes

@@ -1,0 +1,58 @@
+"""Several processes (gloo on CPU): an OOM on one rank changes every rank together."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from train_helpers import trained_state
+
+from oomless.config import dump_run_config
+from oomless.runtime.memlog import read_events, read_steps
+from oomless.runtime.train import train
+
+
+def _torchrun(cfg_path, nproc=2):
+    env = {**os.environ, "OOMLESS_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", "-m", "oomless", "train", str(cfg_path), "--no-progress"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def single_process(tiny_model_dir, tmp_path_factory):
+    """One process, micro batch 4 x accumulation 2: effective batch 8."""
+    from train_helpers import tiny_run_config
+
+    out = tmp_path_factory.mktemp("single") / "run"
+    return train(tiny_run_config(tiny_model_dir, out, **{"training.max_steps": 4})).run_dir
+
+
+def test_oom_on_rank_1_halves_the_micro_batch_on_both_ranks(single_process, run_config,
+                                                             tmp_path):
+    # two processes x micro batch 2 x accumulation 2: the same effective batch of 8
+    cfg = run_config("two", micro_batch_size=2, grad_accum=2,
+                     **{"training.max_steps": 4,
+                        "training.inject_oom": [{"step": 2, "rank": 1}]})
+    path = tmp_path / "two.yaml"
+    path.write_text(dump_run_config(cfg))
+    _torchrun(path)
+    run = tmp_path / "two"
+    (event,) = [e for e in read_events(run) if e["event"] == "oom"]
+    assert event["ranks"] == [1] and "rank 1" in event["error"]
+    assert (event["micro_batch_before"], event["micro_batch_after"]) == (2, 1)
+    steps = read_steps(run)
+    assert [s["micro_batch_size_per_rank"] for s in steps] == [[2, 2], [1, 1], [1, 1], [1, 1]]
+    # the global samples of each step and the trained weights equal the single process's
+    single = read_steps(single_process)
+    assert [s["label_tokens"] for s in steps] == [s["label_tokens"] for s in single]
+    assert [s["loss"] for s in steps] == pytest.approx([s["loss"] for s in single], abs=1e-5)
+    a, b = trained_state(single_process), trained_state(run)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4)
