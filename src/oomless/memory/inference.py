@@ -124,7 +124,9 @@ def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs:
     blocks_needed = max_num_seqs * math.ceil(max_model_len / block_size)
     kv_needed = blocks_needed * block
     required = (non_kv + kv_needed) / total + headroom
-    free_frac = (total - used_by_others_bytes) / total
+    # vLLM checks free memory after its own CUDA context exists
+    # (gpu_worker.init_device), so the cap leaves room for that context.
+    free_frac = (total - used_by_others_bytes - C.CUDA_CONTEXT_BYTES) / total
     util = gpu_memory_utilization if gpu_memory_utilization is not None else min(
         round(math.ceil(required * 100) / 100, 2), round(math.floor(free_frac * 100) / 100, 2))
     budget = int(util * total)
