@@ -1,0 +1,66 @@
+"""`oomless plan`: the fastest configuration that fits, and the files to run it."""
+
+from __future__ import annotations
+
+import argparse
+
+ORDER = 30
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="search the fastest configuration that fits your GPUs; write its files",
+        description="Search method, precision, optimizer, checkpointing, attention, micro "
+        "batch x accumulation (same effective batch), ZeRO/offload and length for the "
+        "fastest configuration that fits every phase within the headroom. Exit code 0: "
+        "plans found; 1: nothing fits (the nearest misses and hardware that fits are "
+        "shown); 2: bad input.")
+    p.add_argument("model", metavar="MODEL|CONFIG.yaml",
+                   help="catalog name, HF id in the local cache, config.json/folder, or an "
+                   "oomless.yaml whose run is kept (its method stays unless --method)")
+    p.add_argument("--gpu", help="GPU and count: 4090, 'a100-80gb x8' (see `oomless gpus`)")
+    p.add_argument("--nodes", type=int, help="number of nodes (default 1)")
+    p.add_argument("--data", help="training file (.json/.jsonl/.parquet): real lengths")
+    p.add_argument("--seq-len", type=int,
+                   help="tokens per sample (with --data: the longest allowed)")
+    p.add_argument("--effective-batch", type=int,
+                   help="samples per optimizer step over all GPUs (default 16)")
+    p.add_argument("--method", choices=["auto", "full", "lora", "qlora"], default="auto")
+    p.add_argument("--headroom", type=float, default=0.10,
+                   help="fraction of GPU memory kept free (default 0.10)")
+    p.add_argument("--objective", choices=["speed", "memory"], default="speed")
+    p.add_argument("--top", type=int, default=5, help="plans shown (default 5)")
+    p.add_argument("--out", metavar="DIR", help="write the best plan's files here")
+    p.add_argument("--json", action="store_true", help="print the PlanResult as JSON")
+    p.add_argument("--assumptions", action="store_true", help="list every assumption")
+    more = p.add_argument_group("the run to keep")
+    more.add_argument("--host-ram-gb", type=float, help="host RAM per node (offload)")
+    more.add_argument("--images", type=int, help="images per sample (vision-language)")
+    more.add_argument("--eval-batch-size", type=int)
+    more.add_argument("--max-new-tokens", type=int, help="generation during evaluation")
+    more.add_argument("--lora-r", type=int, help="LoRA rank (fixed)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..planner import PlanOptions, plan, request_from_options
+    from ..planner.api import write_best
+
+    opts = PlanOptions(
+        model=args.model, gpu=args.gpu, nodes=args.nodes, data=args.data, seq_len=args.seq_len,
+        effective_batch=args.effective_batch, method=args.method, headroom=args.headroom,
+        objective=args.objective, top=args.top, host_ram_gb=args.host_ram_gb,
+        images=args.images, eval_batch_size=args.eval_batch_size,
+        max_new_tokens=args.max_new_tokens, lora_r=args.lora_r)
+    spec, req = request_from_options(opts)
+    result = plan(spec, req)
+    written = write_best(result, req, spec, args.out) if args.out else []
+    if args.json:
+        import json
+
+        print(json.dumps({**result.to_dict(), "written": written}, indent=2))
+    else:
+        from ._render_plan import render_plan
+
+        render_plan(result, written, show_assumptions=args.assumptions)
+    return 0 if result.plans else 1

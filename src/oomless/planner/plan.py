@@ -1,0 +1,284 @@
+"""The planner: search, rank, and explain.
+
+``search(spec, request)`` walks every candidate family (oomless.planner.search),
+keeps the configurations that fit, ranks them and, for every family group
+(method × ZeRO/offload) where nothing fits, keeps the nearest miss and by how
+much it misses. The result is a frozen, JSON-serialisable PlanResult.
+
+Ranking (``objective``):
+- ``speed``: fewest trade-offs first (see search.py), then highest predicted
+  tokens/s; ties keep the search's preference order.
+- ``memory``: fewest trade-offs, then lowest device peak, then tokens/s.
+- ``change`` (``oomless check``): the smallest change to the given
+  configuration (weighted knob changes, CHANGE_COST), then tokens/s.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..config import RunConfig
+from ..spec import ModelSpec
+from .evaluate import Evaluator, Fit
+from .search import PlanRequest, batch_splits, families, method_label, sharding_label
+from .speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
+from .speed import StepTime
+
+# Knobs a plan may change, with a label and the weight of changing it for the
+# "change" objective (check: the smallest edit that fits). Splitting the batch
+# differently at the same effective batch is the cheapest fix, as in the seeds.
+KNOBS: tuple[tuple[str, str, int], ...] = (
+    ("method", "method", 8),
+    ("quantization.bits", "quantization bits", 6),
+    ("lora.r", "LoRA rank", 6),
+    ("lora.targets", "LoRA targets", 6),
+    ("precision", "precision", 5),
+    ("optimizer", "optimizer", 3),
+    ("grad_ckpt", "gradient checkpointing", 2),
+    ("attn", "attention", 2),
+    ("zero", "ZeRO stage", 3),
+    ("offload", "offload", 3),
+    ("micro_batch_size", "micro batch", 1),
+    ("grad_accum", "gradient accumulation", 0),
+    ("hardware.gpus_per_node", "GPUs per node", 8),
+    ("seq_len", "max length", 8),
+    ("data.packing", "packing", 8),
+    ("eval.batch_size", "eval batch", 1),
+)
+
+
+def _get(cfg: RunConfig, dotted: str) -> Any:
+    value: Any = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def knob_changes(base: RunConfig, cfg: RunConfig, method_auto: bool = False) -> list[dict]:
+    """[{key, label, from, to}] for every knob that differs from the request."""
+    out = []
+    for key, label, _w in KNOBS:
+        before, after = _get(base, key), _get(cfg, key)
+        if key == "quantization.bits" and cfg.method != "qlora":
+            continue
+        if key.startswith("lora.") and cfg.method == "full":
+            continue
+        if key == "method" and method_auto:
+            before = "auto"
+        if before != after:
+            out.append({"key": key, "label": label, "from": before, "to": after})
+    return out
+
+
+def change_cost(changes: list[dict]) -> int:
+    weights = {k: w for k, _l, w in KNOBS}
+    return sum(weights[c["key"]] for c in changes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One configuration that fits, with its memory, speed and what changed."""
+
+    config: dict[str, Any]  # RunConfig.to_dict()
+    family: str
+    device_peak_bytes: int
+    peak_phase: str
+    budget_bytes: int
+    gpu_memory_bytes: int
+    host_ram_bytes: int
+    speed: dict[str, float]
+    changes: list[dict] = field(default_factory=list)
+    tradeoffs: list[str] = field(default_factory=list)
+    epoch_s: float | None = None
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.speed["tokens_per_s"]
+
+    def run_config(self) -> RunConfig:
+        return RunConfig.model_validate(self.config)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Miss:
+    """The closest a family group came to fitting."""
+
+    group: str
+    config: dict[str, Any]
+    device_peak_bytes: int
+    peak_phase: str
+    over_bytes: int
+    host_short_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    model: str
+    hardware: str
+    budget_bytes: int
+    effective_batch: int
+    objective: str
+    plans: list[Plan]
+    misses: list[Miss]
+    fitting: int
+    searched: int
+    evaluated: int
+    elapsed_s: float
+    assumptions: list[str]
+    data: dict[str, Any] | None = None
+    suggestions: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def nothing_fits(self) -> bool:
+        return not self.plans
+
+    @property
+    def best(self) -> Plan | None:
+        return self.plans[0] if self.plans else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["nothing_fits"] = self.nothing_fits
+        d["candidates_per_s"] = round(self.searched / self.elapsed_s) if self.elapsed_s else None
+        return d
+
+
+@dataclass
+class _Found:
+    cfg: RunConfig
+    fit: Fit
+    step: StepTime
+    family_order: int
+    group: str
+    tradeoffs: tuple[str, ...]
+    key: tuple = ()
+
+
+def _rank_key(req: PlanRequest, f: _Found) -> tuple:
+    tps = -f.step.tokens_per_s
+    if req.objective == "change":
+        return (change_cost(knob_changes(req.base, f.cfg, req.method_auto)), tps, f.family_order)
+    if req.objective == "memory":
+        return (len(f.tradeoffs), f.fit.device_peak_bytes, tps, f.family_order)
+    return (len(f.tradeoffs), tps, f.family_order)
+
+
+def _walk(spec: ModelSpec, req: PlanRequest, ev: Evaluator) -> tuple[list[_Found], dict, int]:
+    """Every family's splits, smallest micro batch first; a split that does not
+    fit ends its family (a larger micro batch never needs less memory)."""
+    found: list[_Found] = []
+    misses: dict[str, tuple[Fit, RunConfig]] = {}
+    searched = 0
+    splits = batch_splits(req.per_gpu_batch)
+    for fam in families(req, spec):
+        ctx = None
+        states = ev.states(fam.cfg)  # independent of the micro batch and accumulation
+        for i, (b, a) in enumerate(splits):
+            cfg = fam.cfg.model_copy(update={"micro_batch_size": b, "grad_accum": a})
+            fit = ev.memory(cfg, states)
+            if not fit.fits:
+                searched += len(splits) - i
+                best = misses.get(fam.group)
+                if i == 0 and (best is None or _closer(fit, best[0])):
+                    misses[fam.group] = (fit, cfg)
+                break
+            searched += 1
+            ctx = ctx or ev.family_context(fam, states)
+            found.append(_Found(cfg, fit, ev.speed(ctx, cfg, fit), fam.order, fam.group,
+                                fam.tradeoffs))
+    return found, misses, searched
+
+
+def _closer(a: Fit, b: Fit) -> bool:
+    return (a.over_bytes, a.host_short_bytes) < (b.over_bytes, b.host_short_bytes)
+
+
+def _variety(f: _Found) -> tuple:
+    """Plans that differ only in the split, the attention kernel or paging are one alternative."""
+    c = f.cfg  # paged or not: the same optimizer math, one alternative
+    return (f.group, c.precision, "8bit" in c.optimizer, c.grad_ckpt, c.lora.r,
+            str(c.lora.targets), c.seq_len, c.data.packing, c.eval.batch_size)
+
+
+def _pick(req: PlanRequest, found: list[_Found]) -> list[_Found]:
+    """The top K, best first, one per alternative (see _variety)."""
+    for f in found:
+        f.key = _rank_key(req, f)
+    best: dict[tuple, _Found] = {}
+    for f in found:
+        cur = best.get(_variety(f))
+        if cur is None or f.key < cur.key:
+            best[_variety(f)] = f
+    return sorted(best.values(), key=lambda f: f.key)[: req.top]
+
+
+def _to_plan(spec: ModelSpec, req: PlanRequest, f: _Found) -> Plan:
+    from ..memory.training import estimate_training
+
+    cfg = RunConfig.model_validate(f.cfg.model_dump())  # validated before it leaves
+    est = estimate_training(spec, cfg, req.cluster)
+    epoch_s = None
+    if req.data is not None:
+        images = cfg.data.images_per_sample if spec.vision else 0
+        per_image = spec.vision.tokens_per_image if spec.vision else 0
+        rows = req.data.samples_per_epoch(cfg.seq_len + images * per_image, cfg.data.packing)
+        epoch_s = (rows // req.effective_batch) * f.step.step_s * cfg.training.epochs
+    return Plan(
+        config=cfg.to_dict(), family=f.group, device_peak_bytes=est.device_peak_bytes,
+        peak_phase=est.peak_phase, budget_bytes=req.budget_bytes,
+        gpu_memory_bytes=req.cluster.gpu.memory_bytes, host_ram_bytes=est.host_ram_bytes,
+        speed=f.step.to_dict(), changes=knob_changes(req.base, cfg, req.method_auto),
+        tradeoffs=list(f.tradeoffs), epoch_s=epoch_s, phase_peaks=est.phase_peaks(),
+    )
+
+
+def search(spec: ModelSpec, req: PlanRequest) -> PlanResult:
+    """Find the configurations that fit, best first, and the nearest misses."""
+    t0 = time.perf_counter()
+    ev = Evaluator(spec, req)
+    found, missed, searched = _walk(spec, req, ev)
+    top = _pick(req, found)
+    fitting_groups = {f.group for f in found}
+    misses = [Miss(g, cfg.to_dict(), fit.device_peak_bytes, fit.peak_phase, fit.over_bytes,
+                   fit.host_short_bytes)
+              for g, (fit, cfg) in sorted(missed.items(), key=lambda kv: kv[1][0].over_bytes)
+              if g not in fitting_groups]
+    elapsed = time.perf_counter() - t0
+    plans = [_to_plan(spec, req, f) for f in top]
+    return PlanResult(
+        model=spec.name, hardware=req.cluster.describe(), budget_bytes=req.budget_bytes,
+        effective_batch=req.effective_batch, objective=req.objective, plans=plans,
+        misses=misses, fitting=len(found), searched=searched, evaluated=ev.evaluated,
+        elapsed_s=elapsed, assumptions=_assumptions(req, plans),
+        data=req.data.summary() if req.data else None, notes=list(req.notes),
+    )
+
+
+def _assumptions(req: PlanRequest, plans: list[Plan]) -> list[str]:
+    out = [
+        f"fits: predicted device peak (nvidia-smi) ≤ {1 - req.headroom:.0%} of the GPU's "
+        "memory in every phase (training step, evaluation, generation), and offload fits "
+        "in host RAM",
+        f"effective batch {req.effective_batch} = micro batch × accumulation × "
+        f"{req.cluster.world_size} data-parallel GPUs, exactly",
+    ]
+    if req.host_ram_assumed:
+        out.append(f"host RAM not stated: assumed {req.host_ram_bytes / 1e9:.0f} GB per node "
+                   "usable for offload (pass --host-ram-gb)")
+    out += list(SPEED_ASSUMPTIONS)
+    return out
+
+
+def group_label(cfg: RunConfig) -> str:
+    bits = cfg.quantization.bits if cfg.method == "qlora" else None
+    return f"{method_label(cfg.method, bits)} · {sharding_label(cfg.zero, cfg.offload)}"
