@@ -62,7 +62,8 @@ def build_request(spec: ModelSpec, base: RunConfig, cluster: Cluster, *,
     unknown = set(fixed) - set(KNOBS)
     if unknown:
         raise ConfigError(f"unknown fixed knob(s) {sorted(unknown)}; known: {', '.join(KNOBS)}")
-    batch = effective_batch or base.micro_batch_size * base.grad_accum * cluster.world_size
+    batch = effective_batch if effective_batch is not None else (
+        base.micro_batch_size * base.grad_accum * cluster.world_size)
     cluster, more = usable_cluster(cluster, batch)
     per_gpu = batch // cluster.world_size
     hw = base.hardware.model_copy(update={

@@ -86,8 +86,10 @@ def deepspeed_config(cfg: RunConfig, spec: ModelSpec) -> dict[str, Any] | None:
 
 
 def training_arguments(cfg: RunConfig, deepspeed_path: str | None) -> dict[str, Any]:
-    """transformers.TrainingArguments(**this). ``gradient_checkpointing`` is the
-    name transformers 4.x and 5.x both accept (5.x aliases it)."""
+    """transformers.TrainingArguments(**this), for the pinned transformers 5.x:
+    ``warmup_steps`` below 1 is the warmup ratio there (5.x removed
+    ``warmup_ratio``); ``gradient_checkpointing`` is accepted by 4.x and 5.x
+    (5.x aliases it to activation_checkpointing)."""
     t = cfg.training
     args: dict[str, Any] = {
         "output_dir": t.output_dir,
@@ -95,7 +97,7 @@ def training_arguments(cfg: RunConfig, deepspeed_path: str | None) -> dict[str, 
         "gradient_accumulation_steps": cfg.grad_accum,
         "per_device_eval_batch_size": cfg.eval_batch_size,
         "learning_rate": t.learning_rate, "lr_scheduler_type": t.lr_scheduler,
-        "warmup_ratio": t.warmup_ratio, "weight_decay": t.weight_decay,
+        "warmup_steps": t.warmup_ratio, "weight_decay": t.weight_decay,
         "max_grad_norm": t.max_grad_norm, "seed": t.seed,
         "logging_steps": t.logging_steps, "num_train_epochs": t.epochs,
         "bf16": cfg.precision == "bf16", "fp16": cfg.precision == "fp16",
@@ -154,7 +156,7 @@ def llamafactory_config(cfg: RunConfig, spec: ModelSpec, model_id: str, family: 
         "per_device_train_batch_size": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
         "learning_rate": t.learning_rate, "num_train_epochs": t.epochs,
-        "lr_scheduler_type": t.lr_scheduler, "warmup_ratio": t.warmup_ratio,
+        "lr_scheduler_type": t.lr_scheduler, "warmup_steps": t.warmup_ratio,
         "max_grad_norm": t.max_grad_norm, "logging_steps": t.logging_steps,
         "output_dir": t.output_dir, "flash_attn": LF_ATTN[cfg.attn],
         "disable_gradient_checkpointing": not cfg.grad_ckpt,

@@ -1,0 +1,237 @@
+"""`oomless check`: foreign configurations read, the OOM phase found, the
+smallest fix printed as a diff that applies to the same file and then fits."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from oomless.cli import main
+from oomless.config import load_run_config
+from oomless.planner import foreign_keys as K
+from oomless.planner.check import CheckOptions, check
+
+GLM_SEED = """\
+data_config:
+  train_file: train.jsonl
+  val_file: dev.jsonl
+  test_file: dev.jsonl
+  num_proc: 1
+
+max_input_length: 512
+max_output_length: 512
+
+training_args:
+  # see `transformers.Seq2SeqTrainingArguments`
+  output_dir: ./output
+  max_steps: 3000
+  learning_rate: 5e-4
+  per_device_train_batch_size: 4
+  per_device_eval_batch_size: 16
+  dataloader_num_workers: 16
+  remove_unused_columns: false
+  save_strategy: steps
+  save_steps: 500
+  evaluation_strategy: steps
+  eval_steps: 500
+  predict_with_generate: true
+  generation_config:
+    max_new_tokens: 512
+
+peft_config:
+  peft_type: LORA
+  task_type: CAUSAL_LM
+  r: 8
+  lora_alpha: 32
+  lora_dropout: 0.1
+  target_modules: ["query_key_value"]
+"""
+
+LF_YAML = """\
+### model
+model_name_or_path: Qwen/Qwen2.5-7B-Instruct
+
+### method
+stage: sft
+do_train: true
+finetuning_type: lora
+lora_target: all
+
+### dataset
+dataset: alpaca_en_demo
+template: qwen
+cutoff_len: 4096
+
+### train
+per_device_train_batch_size: 8
+gradient_accumulation_steps: 2
+learning_rate: 1.0e-4
+bf16: true
+"""
+
+# MoE-LLaVA's fine-tuning stage (seed 002): DeepSpeed ZeRO-2 file + HF arguments
+DS_ZERO2 = {"zero_optimization": {"stage": 2, "overlap_comm": True,
+                                  "contiguous_gradients": True, "reduce_bucket_size": "auto"},
+            "bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
+TA_MOE_LLAVA = {"output_dir": "./checkpoints/moe-llava", "per_device_train_batch_size": 8,
+                "per_device_eval_batch_size": 4, "gradient_accumulation_steps": 2,
+                "bf16": True, "gradient_checkpointing": True, "learning_rate": 2e-5,
+                "deepspeed": "zero2.json"}
+
+
+def _patch(tmp_path, diff: str) -> None:
+    """Apply the printed unified diff with patch(1), as a user would."""
+    proc = subprocess.run(["patch", "-p1", "--batch"], input=diff, text=True, cwd=tmp_path,
+                          capture_output=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+needs_patch = pytest.mark.skipif(shutil.which("patch") is None, reason="patch(1) not installed")
+
+
+@needs_patch
+def test_glm4_seed_yaml_ooms_and_the_diff_fixes_it(tmp_path, capsys):
+    path = tmp_path / "lora.yaml"
+    path.write_text(GLM_SEED)
+    rc = main(["check", str(path), "--gpu", "rtx-4090", "--model", "glm-4-9b-chat"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "OUT OF MEMORY in the forward phase" in out
+    result = check(CheckOptions(files=(str(path),), gpu="rtx-4090", model="glm-4-9b-chat"))
+    assert result.oom_phase == "forward" and result.phase_device_bytes["evaluation"] > \
+        result.gpu_memory_bytes
+    fix = result.fix
+    assert fix["config"]["micro_batch_size"] * fix["config"]["grad_accum"] == 4
+    diff = result.diffs[str(path)]
+    assert "-  per_device_train_batch_size: 4" in diff
+    _patch(tmp_path, diff)
+    after = check(CheckOptions(files=(str(path),), gpu="rtx-4090", model="glm-4-9b-chat"))
+    assert after.fits and after.within_budget and after.fix is None
+    assert "# see `transformers.Seq2SeqTrainingArguments`" in path.read_text()
+
+
+@needs_patch
+def test_llamafactory_yaml_fix_applies_and_fits(tmp_path):
+    path = tmp_path / "qwen_lora.yaml"
+    path.write_text(LF_YAML)
+    result = check(CheckOptions(files=(str(path),), gpu="rtx-4090"))
+    assert result.oom_phase == "forward" and result.model == "qwen2.5-7b-instruct"
+    cfg = result.fix["config"]
+    assert cfg["micro_batch_size"] * cfg["grad_accum"] == 16
+    _patch(tmp_path, result.diffs[str(path)])
+    import yaml
+
+    edited = yaml.safe_load(path.read_text())
+    assert set(edited) <= K.LLAMAFACTORY_KEYS | K.TRAINING_ARGUMENTS_KEYS
+    after = check(CheckOptions(files=(str(path),), gpu="rtx-4090"))
+    assert after.within_budget
+
+
+@needs_patch
+def test_moe_llava_deepspeed_and_training_arguments(tmp_path):
+    (tmp_path / "zero2.json").write_text(json.dumps(DS_ZERO2, indent=2))
+    ta = tmp_path / "args.json"
+    ta.write_text(json.dumps(TA_MOE_LLAVA, indent=2))
+    opts = CheckOptions(files=(str(ta), str(tmp_path / "zero2.json")), gpu="a100-40gb x8",
+                        model="moe-llava-phi2-2.7b-4e", seq_len=2048, method="full")
+    result = check(opts)
+    assert result.config["zero"] == 2 and result.config["micro_batch_size"] == 8
+    assert not result.within_budget
+    cfg = result.fix["config"]
+    assert cfg["micro_batch_size"] < 8 and cfg["micro_batch_size"] * cfg["grad_accum"] == 16
+    assert set(result.diffs) == {str(ta)}  # DeepSpeed's "auto" values follow the arguments
+    _patch(tmp_path, result.diffs[str(ta)])
+    assert check(opts).within_budget
+
+
+@needs_patch
+def test_oomless_yaml_fix(tmp_path):
+    path = tmp_path / "oomless.yaml"
+    path.write_text("model: qwen2.5-7b-instruct\nmethod: lora\nmicro_batch_size: 8\n"
+                    "seq_len: 4096\nhardware:\n  gpu: rtx-a6000\n")
+    rc = main(["check", str(path)])
+    assert rc == 1
+    result = check(CheckOptions(files=(str(path),)))
+    _patch(tmp_path, result.diffs[str(path)])
+    cfg = load_run_config(path)
+    assert cfg.effective_batch == 8 and check(CheckOptions(files=(str(path),))).within_budget
+
+
+def test_config_that_fits_exits_0_without_a_diff(tmp_path, capsys):
+    path = tmp_path / "small.yaml"
+    path.write_text(LF_YAML.replace("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct")
+                    .replace("per_device_train_batch_size: 8", "per_device_train_batch_size: 1"))
+    rc = main(["check", str(path), "--gpu", "a100-80gb"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "FITS" in out and "---" not in out
+
+
+def run_cli(*argv):
+    return subprocess.run([sys.executable, "-c", "import sys; from oomless.cli import main; "
+                           "sys.exit(main(sys.argv[1:]))", *argv],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_unknown_keys_are_named_with_their_line(tmp_path):
+    path = tmp_path / "lf.yaml"
+    path.write_text(LF_YAML.replace("lora_target: all", "lora_target: all\nlora_rnak: 16"))
+    proc = run_cli("check", str(path), "--gpu", "4090")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{path}:9: unknown key 'lora_rnak'" in proc.stderr
+    ds = tmp_path / "ds.json"
+    ds.write_text('{\n  "zero_optimization": {\n    "stage": 2,\n    "stagee": 3\n  }\n}\n')
+    ta = tmp_path / "ta.json"
+    ta.write_text('{"per_device_train_batch_size": 2}')
+    proc = run_cli("check", str(ta), str(ds), "--gpu", "4090", "--model", "qwen2.5-0.5b-instruct")
+    assert proc.returncode == 2 and f"{ds}:4: unknown key 'zero_optimization.stagee'" in proc.stderr
+
+
+@pytest.mark.parametrize("text,argv,needle", [
+    (GLM_SEED, ["--gpu", "4090"], "pass --model"),
+    ("foo: 1\n", ["--gpu", "4090"], "cannot tell which tool"),
+    (LF_YAML.replace("finetuning_type: lora", "finetuning_type: freeze"), ["--gpu", "4090"],
+     "finetuning_type 'freeze'"),
+    (LF_YAML, [], "needs the GPUs"),
+    (LF_YAML.replace("bf16: true", "bf16: true\nflash_attn: fa9"), ["--gpu", "4090"],
+     "flash_attn 'fa9'"),
+])
+def test_user_errors_exit_2(tmp_path, text, argv, needle):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    proc = run_cli("check", str(path), *argv)
+    assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_check_cli_is_torch_free_and_json(tmp_path):
+    path = tmp_path / "lora.yaml"
+    path.write_text(GLM_SEED)
+    code = ("import sys, json, io, contextlib; from oomless.cli import main; buf = io.StringIO()\n"
+            "with contextlib.redirect_stdout(buf):\n"
+            f"    rc = main(['check', r'{path}', '--gpu', '4090', '--model', 'glm-4-9b-chat',"
+            " '--json'])\n"
+            "heavy = [m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules]\n"
+            "print(json.dumps({'rc': rc, 'heavy': heavy, 'out': json.loads(buf.getvalue())}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=120)
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["rc"] == 1 and res["heavy"] == []
+    assert res["out"]["oom_phase"] == "forward" and res["out"]["diffs"]
+
+
+def test_stored_argument_names_match_the_installed_libraries():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from peft import LoraConfig
+    from transformers import Seq2SeqTrainingArguments, TrainingArguments
+
+    ta = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    s2s = {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments) if f.init} - ta
+    assert K.TRAINING_ARGUMENTS_KEYS == ta and K.SEQ2SEQ_EXTRA_KEYS == s2s
+    assert K.PEFT_LORA_KEYS == {f.name for f in dataclasses.fields(LoraConfig) if f.init}
+    zero = set(DeepSpeedZeroConfig.model_fields) | {
+        f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
+    assert K.DEEPSPEED_ZERO_KEYS == zero

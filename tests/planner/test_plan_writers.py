@@ -1,0 +1,165 @@
+"""Files written by `oomless plan --out`, each loaded by its own tool's parser.
+
+Checked with the real libraries installed here: DeepSpeed's DeepSpeedConfig,
+transformers' TrainingArguments (which also runs its DeepSpeed integration's
+consistency checks), accelerate's ClusterConfig and launch parser.
+Not installable here, so checked against their argument names as data:
+- LLaMA-Factory 0.9.5: field names and choices of its argument dataclasses,
+  read from the wheel's source (oomless/planner/foreign_keys.py), plus a round
+  trip through our own LLaMA-Factory reader;
+- vLLM: EngineArgs field names, copied below from vllm/engine/arg_utils.py
+  (vllm-project/vllm, a v0.11-era revision read with the project's code search).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from oomless.catalog import resolve_model
+from oomless.config import RunConfig, load_run_config
+from oomless.hardware import parse_gpu_arg
+from oomless.planner import foreign_keys as K
+from oomless.planner.formats import Source
+from oomless.planner.plan import KNOBS, _get
+from oomless.planner.readers import read_llamafactory
+from oomless.planner.writers import write_plan_files
+
+# vLLM EngineArgs fields (vllm/engine/arg_utils.py, dataclass EngineArgs), the ones
+# a planner could write; the written vllm.json must use no other key.
+VLLM_ENGINE_ARGS = frozenset({
+    "model", "served_model_name", "tokenizer", "trust_remote_code", "dtype", "kv_cache_dtype",
+    "seed", "max_model_len", "pipeline_parallel_size", "tensor_parallel_size",
+    "data_parallel_size", "block_size", "enable_prefix_caching", "swap_space",
+    "cpu_offload_gb", "gpu_memory_utilization", "kv_cache_memory_bytes",
+    "max_num_batched_tokens", "max_num_seqs", "max_logprobs", "revision", "quantization",
+    "enforce_eager", "enable_lora", "max_loras", "max_lora_rank", "fully_sharded_loras",
+    "max_cpu_loras", "lora_dtype", "enable_chunked_prefill", "generation_config",
+})
+
+CASES = {
+    "qlora-1gpu": dict(model="glm-4-9b-chat", method="qlora", micro_batch_size=2, grad_accum=8,
+                       grad_ckpt=True, attn="flash", seq_len=2048,
+                       eval={"batch_size": 2, "steps": 100, "predict_with_generate": True,
+                             "max_new_tokens": 256},
+                       hardware={"gpu": "rtx-4090"}),
+    "full-zero3-offload-2nodes": dict(model="qwen2.5-14b-instruct", method="full",
+                                      micro_batch_size=2, grad_accum=4, zero=3, offload="all",
+                                      grad_ckpt=True, seq_len=4096,
+                                      hardware={"gpu": "a100-80gb", "gpus_per_node": 8,
+                                                "nodes": 2}),
+    "lora-zero2-fp16": dict(model="llama-2-7b", method="lora", precision="fp16", zero=2,
+                            micro_batch_size=4, grad_accum=2, lora={"r": 8,
+                            "targets": ["q_proj", "v_proj"]},
+                            hardware={"gpu": "v100-32gb", "gpus_per_node": 4}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def written(request, tmp_path_factory):
+    cfg = RunConfig.model_validate({"model": "x", **CASES[request.param]})
+    spec = resolve_model(cfg.model).spec
+    hw = cfg.hardware
+    cluster = parse_gpu_arg(f"{hw.gpu} x{hw.gpus_per_node}", nodes=hw.nodes)
+    out = tmp_path_factory.mktemp(request.param)
+    paths = write_plan_files(out, cfg, spec, cluster, resolve_model(cfg.model).entry.hf_id,
+                             resolve_model(cfg.model).entry.family)
+    return cfg, out, {p.name: p for p in paths}
+
+
+def _strings(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _strings(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _strings(v)
+    elif isinstance(obj, str):
+        yield obj
+
+
+def test_oomless_yaml_is_the_plan(written):
+    cfg, out, files = written
+    assert load_run_config(files["oomless.yaml"]) == cfg
+    assert not list(out.glob("*.tmp"))
+
+
+def test_deepspeed_json_loads_in_deepspeed_with_no_auto(written):
+    cfg, _out, files = written
+    if cfg.zero == 0:
+        assert "deepspeed.json" not in files
+        return
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    data = json.loads(files["deepspeed.json"].read_text())
+    assert "auto" not in set(_strings(data))
+    ds = DeepSpeedConfig(data)
+    assert ds.zero_optimization_stage == cfg.zero
+    assert ds.train_micro_batch_size_per_gpu == cfg.micro_batch_size
+    assert ds.gradient_accumulation_steps == cfg.grad_accum
+    assert (ds.zero_config.offload_optimizer is not None) == (cfg.offload != "none")
+    assert (ds.zero_config.offload_param is not None) == (cfg.offload == "all")
+    assert ds.bfloat16_config.enabled == (cfg.precision == "bf16")
+    assert ds.float16_config.enabled == (cfg.precision == "fp16")
+
+
+def test_training_args_json_builds_transformers_training_arguments(written, monkeypatch):
+    import torch
+    from transformers import TrainingArguments
+
+    cfg, _out, files = written
+    kwargs = json.loads(files["training_args.json"].read_text())
+    if not torch.cuda.is_available():
+        kwargs["use_cpu"] = True  # bf16/fp16 need a GPU; everything else is checked as is
+    args = TrainingArguments(**kwargs)
+    assert args.per_device_train_batch_size == cfg.micro_batch_size
+    assert args.gradient_accumulation_steps == cfg.grad_accum
+    assert bool(args.gradient_checkpointing) == cfg.grad_ckpt
+    if cfg.zero:  # transformers' DeepSpeed integration accepted the pair (no mismatch)
+        assert args.hf_deepspeed_config.config["zero_optimization"]["stage"] == cfg.zero
+
+
+def test_accelerate_yaml_loads_as_cluster_config(written):
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import launch_command_parser
+
+    cfg, _out, files = written
+    cc = ClusterConfig.from_yaml_file(str(files["accelerate.yaml"]))
+    assert cc.num_processes == cfg.world_size and cc.num_machines == cfg.hardware.nodes
+    dests = {a.dest for a in launch_command_parser()._actions}
+    assert set(cc.deepspeed_config) <= dests
+    assert cc.distributed_type.value == ("DEEPSPEED" if cfg.zero else
+                                         "MULTI_GPU" if cfg.world_size > 1 else "NO")
+
+
+def test_llamafactory_yaml_uses_its_argument_names_and_reads_back(written):
+    cfg, _out, files = written
+    text = files["llamafactory.yaml"].read_text()
+    data = yaml.safe_load(text)
+    known = K.LLAMAFACTORY_KEYS | K.TRAINING_ARGUMENTS_KEYS | K.SEQ2SEQ_EXTRA_KEYS
+    assert set(data) <= known
+    for key, choices in K.LLAMAFACTORY_CHOICES.items():
+        assert data.get(key) is None or data[key] in choices, key
+    src = Source("main", files["llamafactory.yaml"], text, "yaml", data, {})
+    back = RunConfig.model_validate({**read_llamafactory(src, None).run,
+                                     "hardware": cfg.hardware.model_dump()})
+    skip = {"quantization.bits"} if cfg.method != "qlora" else set()
+    if cfg.method == "full":
+        skip |= {"lora.r", "lora.targets"}
+    for key, _label, _w in KNOBS:
+        if key not in skip:
+            assert _get(back, key) == _get(cfg, key), key
+
+
+def test_vllm_json_uses_engine_args_names(written):
+    cfg, _out, files = written
+    args = json.loads(files["vllm.json"].read_text())
+    assert set(args) <= VLLM_ENGINE_ARGS
+    assert args["max_model_len"] == cfg.seq_len + (cfg.eval.max_new_tokens or 512)
+    assert 0 < args["gpu_memory_utilization"] <= 0.95
+    assert args["enable_lora"] == (cfg.method != "full") and args["enable_prefix_caching"]
+    if cfg.method != "full":
+        assert args["max_lora_rank"] >= cfg.lora.r
+        assert args["max_lora_rank"] in (1, 8, 16, 32, 64, 128, 256, 320, 512)
