@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 NormType = Literal["rms", "layer"]
+MEMO_MAX_ENTRIES = 100_000  # values memoised per ModelSpec (ModelSpec.cached)
 
 
 @dataclass(frozen=True)
@@ -172,17 +173,20 @@ class ModelSpec:
                 out.append(LinearSpec("shared_expert_gate", h, 1, False, 1, "router"))
         return out
 
-    def _derived(self, key: Any, compute: Any) -> Any:
-        """Memoise a derived value on this frozen instance (the planner asks per
-        candidate). Kept outside the dataclass fields: equality, hashing and
-        to_dict are unaffected."""
+    def cached(self, key: Any, compute: Any) -> Any:
+        """Memoise a value derived from this frozen instance (and ``key``): the
+        planner asks for the same shapes and activations per candidate. Kept
+        outside the dataclass fields, so equality, hashing and to_dict are
+        unaffected; bounded (cleared past MEMO_MAX_ENTRIES)."""
         cache = self.__dict__.setdefault("_derived_cache", {})
         if key not in cache:
+            if len(cache) >= MEMO_MAX_ENTRIES:
+                cache.clear()
             cache[key] = compute()
         return cache[key]
 
     def layer_linears(self, moe_layer: bool | None = None) -> list[LinearSpec]:
-        return list(self._derived(("layer_linears", moe_layer), lambda: tuple(
+        return list(self.cached(("layer_linears", moe_layer), lambda: tuple(
             self.attention_linears() + self.mlp_linears(moe_layer))))
 
     @property
@@ -240,7 +244,7 @@ class ModelSpec:
     @property
     def param_count(self) -> int:
         """All parameters, vision tower included (tied embeddings counted once)."""
-        return self._derived("param_count", lambda: self.language_params + (
+        return self.cached("param_count", lambda: self.language_params + (
             self.vision.param_count if self.vision else 0))
 
     @property

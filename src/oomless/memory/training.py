@@ -27,11 +27,14 @@ def llm_seq_len(spec: ModelSpec, cfg: RunConfig) -> int:
 
 
 def layer_plan(spec: ModelSpec, cfg: RunConfig) -> LayerPlan:
-    names = frozenset(lin.name for lin in spec.layer_linears())
+    names = spec.cached("linear_names", lambda: frozenset(lin.name for lin in spec.layer_linears()))
     full = cfg.method == "full"
+    targets = cfg.lora.targets
+    key = ("lora_targets", targets if isinstance(targets, str) else tuple(targets))
     return LayerPlan(
         trainable=names if full else frozenset(),
-        lora=frozenset() if full else frozenset(lora_targets(spec, cfg.lora.targets)),
+        lora=frozenset() if full else spec.cached(
+            key, lambda: frozenset(lora_targets(spec, targets))),
         lora_r=cfg.lora.r,
         lora_dropout=cfg.lora.dropout > 0,
         norm_trainable=full,
@@ -43,8 +46,8 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
     """Activations alive at the end of the forward, and one layer's worth (for
     recomputation under gradient checkpointing)."""
     plan = layer_plan(spec, cfg)
-    dense = layer_activation_bytes(spec, b, s, dt, plan, moe_layer=False)
-    moe = layer_activation_bytes(spec, b, s, dt, plan, moe_layer=True) if spec.is_moe else 0
+    dense = _layer_bytes(spec, b, s, dt, plan, False)
+    moe = _layer_bytes(spec, b, s, dt, plan, True) if spec.is_moe else 0
     n_moe = spec.num_moe_layers
     one_layer = max(dense, moe)
     t = b * s
@@ -63,6 +66,14 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
     else:
         layers = (spec.num_layers - n_moe) * dense + n_moe * moe
     return {"layers": layers + shared, "one_layer": one_layer}
+
+
+def _layer_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: LayerPlan,
+                 moe_layer: bool) -> float:
+    """layer_activation_bytes, memoised on the spec (the planner evaluates the
+    same layer for many ZeRO/optimizer variants): same arguments, same result."""
+    return spec.cached(("layer_activation_bytes", b, s, dt, plan, moe_layer),
+                       lambda: layer_activation_bytes(spec, b, s, dt, plan, moe_layer=moe_layer))
 
 
 def logits_bytes(spec: ModelSpec, dt: Dtypes, t: int) -> dict:
