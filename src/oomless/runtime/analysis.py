@@ -1,0 +1,171 @@
+"""From a tracker's event stream to peaks, breakdowns and a timeline.
+
+The stream is replayed through the caching-allocator simulation
+(oomless.allocator), so allocated bytes are block sizes as
+``torch.cuda.memory_allocated`` counts them and reserved bytes are segments
+as ``memory_reserved`` counts them. Each phase's breakdown is the bytes per
+category at the moment that phase's allocated bytes were highest; the
+categories add up to that peak.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..allocator import ALLOC, AllocatorConfig, CachingAllocator, SimulatedOOM, downsample
+from .tracker import PAGED, StorageTracker, _rounded
+
+SKIP_PHASES = ("setup", "teardown")
+
+
+@dataclass
+class TraceStats:
+    num_layers: int
+    param_count: int
+    trainable_params: int
+    breakdown: dict[str, dict[str, int]]  # phase → category → bytes at the phase's peak
+    tensor_peaks: dict[str, int]  # phase → peak of live tensor bytes (512-rounded)
+    peak_reserved_bytes: int
+    paged_bytes: int
+    allocator: dict[str, Any]
+    timeline: dict[str, Any]
+    module_peaks: dict[str, dict[str, int]]
+    num_events: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def phase_peaks(self) -> dict[str, int]:
+        return {p: sum(c.values()) for p, c in self.breakdown.items()}
+
+
+def analyze(tracker: StorageTracker, config: AllocatorConfig, *, num_layers: int,
+            param_count: int, trainable_params: int, timeline_points: int = 800) -> TraceStats:
+    alloc = CachingAllocator(config)
+    cats = {key: tracker.final_category(rec) for key, rec in tracker.records.items()}
+    blocks: dict[int, Any] = {}
+    cat_bytes: dict[str, int] = defaultdict(int)
+    best: dict[str, tuple[int, dict[str, int]]] = {}
+    tensor_peaks: dict[str, int] = {}
+    live = paged = paged_peak = 0
+    points: list[tuple[int, int, int]] = []
+    oom: dict[str, int] | None = None
+    phase_names = [name for name, _ in tracker.phases]
+    for i, (kind, key, size) in enumerate(tracker.events):
+        cat = cats[key]
+        rec = tracker.records[key]
+        if cat == PAGED:  # unified memory: outside the caching allocator
+            paged += rec.nbytes if kind == ALLOC else -rec.nbytes
+            paged_peak = max(paged_peak, paged)
+            continue
+        if kind == ALLOC:
+            if size <= 0:
+                continue
+            try:
+                blocks[key] = alloc.malloc(size)
+            except SimulatedOOM as err:  # only with a capacity set
+                oom = {"event": i, "request_bytes": err.size_bytes}
+                break
+            cat_bytes[cat] += blocks[key].size
+            live += _rounded(size)
+        else:
+            block = blocks.pop(key, None)
+            if block is None:
+                continue
+            cat_bytes[cat] -= block.size
+            alloc.free(block)
+            live -= _rounded(rec.nbytes)
+        phase = phase_names[tracker.event_phase[i]]
+        if phase not in SKIP_PHASES:
+            top = best.get(phase)
+            if top is None or alloc.allocated_bytes > top[0]:
+                best[phase] = (alloc.allocated_bytes, {k: v for k, v in cat_bytes.items() if v})
+            if live > tensor_peaks.get(phase, 0):
+                tensor_peaks[phase] = live
+            points.append((i, alloc.allocated_bytes, alloc.reserved_bytes))
+    allocator = {
+        "config": config.describe(),
+        "peak_allocated_bytes": alloc.peak_allocated_bytes,
+        "peak_reserved_bytes": alloc.peak_reserved_bytes,
+        "peak_requested_bytes": alloc.peak_requested_bytes,
+        "num_alloc_retries": alloc.num_alloc_retries,
+        "num_device_alloc": alloc.num_device_alloc,
+        "oom": oom,
+    }
+    return TraceStats(
+        num_layers=num_layers,
+        param_count=param_count,
+        trainable_params=trainable_params,
+        breakdown={p: cats_ for p, (_, cats_) in best.items()},
+        tensor_peaks=tensor_peaks,
+        peak_reserved_bytes=alloc.peak_reserved_bytes,
+        paged_bytes=paged_peak,
+        allocator=allocator,
+        timeline=_timeline(tracker, points, timeline_points),
+        module_peaks=_module_peaks(tracker),
+        num_events=len(tracker.events),
+    )
+
+
+def _timeline(tracker: StorageTracker, points: list[tuple[int, int, int]],
+              n_points: int) -> dict[str, Any]:
+    phases = []
+    last = -1
+    for i, idx in enumerate(tracker.event_phase):
+        if idx != last:
+            name, iteration = tracker.phases[idx]
+            if name not in SKIP_PHASES:
+                phases.append({"event": i, "phase": name, "iteration": iteration})
+            last = idx
+    return {
+        "columns": ["event", "allocated_bytes", "reserved_bytes"],
+        "points": [list(p) for p in downsample(points, n_points)] if n_points else [],
+        "phases": phases,
+    }
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def display_name(name: str) -> str:
+    return name.removeprefix(PEFT_PREFIX)
+
+
+def _module_peaks(tracker: StorageTracker) -> dict[str, dict[str, int]]:
+    """Highest live tensor bytes while each module ran (forward / backward);
+    modules down to a layer's attention and MLP, adapter internals left out."""
+    out = {}
+    for name, (fwd, bwd) in tracker.module_peaks.items():
+        if name in ("base_model", "base_model.model"):
+            continue  # PEFT's wrappers: the same as the whole model
+        shown = display_name(name)
+        parts = shown.split(".")
+        depth = 4 + sum(p in ("language_model", "text_model") for p in parts)
+        if len(parts) > depth or any(p.startswith("lora_") or p == "base_layer" for p in parts):
+            continue
+        out[shown] = {"forward_peak_bytes": fwd, "backward_peak_bytes": bwd}
+    return out
+
+
+def extrapolate(a: TraceStats, b: TraceStats, layers: int) -> dict[str, Any]:
+    """Numbers for ``layers`` layers from traces with ``a.num_layers`` < ``b.num_layers``:
+    every quantity is affine in the number of repeated layers."""
+    span = b.num_layers - a.num_layers
+
+    def f(va: float, vb: float) -> int:
+        return max(0, round(vb + (vb - va) * (layers - b.num_layers) / span))
+
+    breakdown = {}
+    for phase in b.breakdown:
+        pa, pb = a.breakdown.get(phase, {}), b.breakdown[phase]
+        breakdown[phase] = {c: f(pa.get(c, 0), pb.get(c, 0)) for c in set(pa) | set(pb)}
+        breakdown[phase] = {c: v for c, v in breakdown[phase].items() if v}
+    return {
+        "breakdown": breakdown,
+        "tensor_peaks": {p: f(a.tensor_peaks.get(p, 0), v) for p, v in b.tensor_peaks.items()},
+        "peak_reserved_bytes": f(a.peak_reserved_bytes, b.peak_reserved_bytes),
+        "paged_bytes": f(a.paged_bytes, b.paged_bytes),
+        "param_count": f(a.param_count, b.param_count),
+        "trainable_params": f(a.trainable_params, b.trainable_params),
+    }

@@ -1,0 +1,129 @@
+"""The dispatch-level storage tracker and the CUDA emulation, on real CPU tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from oomless.allocator import ALLOC, FREE
+from oomless.runtime.cuda_emulation import (
+    CUBLAS_WORKSPACE_BYTES,
+    CUBLAS_WORKSPACE_SM90_BYTES,
+    CUBLASLT_WORKSPACE_BYTES,
+    CudaEmulation,
+    cublas_workspace_bytes,
+)
+from oomless.runtime.tracker import (
+    ACTIVATIONS,
+    GRADIENTS,
+    TEMPORARIES,
+    WORKSPACE,
+    ModuleStack,
+    StorageTracker,
+)
+
+
+def _allocs(tr: StorageTracker) -> list[int]:
+    return [tr.records[k].nbytes for kind, k, _ in tr.events if kind == ALLOC]
+
+
+def test_allocations_and_releases_are_recorded_once_per_storage():
+    tr = StorageTracker()
+    with tr:
+        x = torch.empty(1000)  # 4000 bytes
+        v = x.view(10, 100)  # a view: same storage, no allocation
+        x.add_(1)  # in place: no allocation
+        y = x * 2
+        del x, v  # storage dies only when the last view goes
+        z = torch.zeros(3, dtype=torch.float16)
+        del y
+    assert _allocs(tr) == [4000, 4000, 6]
+    kinds = [(kind, tr.records[k].nbytes) for kind, k, _ in tr.events]
+    assert kinds == [(ALLOC, 4000), (ALLOC, 4000), (FREE, 4000), (ALLOC, 6), (FREE, 4000)]
+    assert tr.live_bytes == 512  # z, rounded to the allocator's 512-byte granularity
+    del z
+
+
+def test_resized_storage_counts_as_a_new_allocation():
+    tr = StorageTracker()
+    with tr:
+        out = torch.empty(0)
+        torch.add(torch.ones(10), 1, out=out)  # resizes `out` to 10 floats
+    sizes = [tr.records[k].nbytes for kind, k, _ in tr.events]
+    assert 40 in sizes
+    assert tr.live_bytes == 512  # the resized `out` (the ones() input died)
+
+
+def test_categories_are_decided_with_hindsight():
+    tr = StorageTracker()
+    tr.start_phase("forward", 0)
+    with tr:
+        saved = torch.ones(100)
+        temp = torch.ones(100) + 1
+        del temp
+        tr.start_phase("backward", 0)
+        grad = torch.ones(100)
+        tr.categorize([grad], GRADIENTS)
+        scratch = torch.ones(7)
+    cats = [tr.final_category(r) for r in tr.records.values()]
+    assert cats.count(ACTIVATIONS) == 1  # born in forward, alive after it
+    assert GRADIENTS in cats
+    assert cats.count(TEMPORARIES) >= 3  # temp, its ones() input, scratch
+    del saved, grad, scratch
+
+
+def test_module_stack_follows_forward_and_backward():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    seen: list[tuple[str, bool]] = []
+    stack = ModuleStack(model, on_enter=lambda n, b: seen.append((n, b)))
+    with stack:
+        model(torch.ones(3, 4, requires_grad=True)).sum().backward()
+    assert seen[:3] == [("0", False), ("1", False), ("2", False)]
+    assert [n for n, b in seen if b] == ["2", "1", "0"]  # backward runs in reverse
+
+
+def test_module_peaks_are_recorded():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    tr = StorageTracker()
+    tr.modules = ModuleStack(model)
+    tr.start_phase("forward", 0)
+    with tr, tr.modules:
+        out = model(torch.ones(32, 64))
+    assert tr.module_peaks["0"][0] > 0
+    assert tr.module_peaks["1"][0] >= tr.module_peaks["0"][0]
+    del out
+
+
+def test_cublas_workspaces_per_thread():
+    assert cublas_workspace_bytes("9.0") == CUBLAS_WORKSPACE_SM90_BYTES == 32 * 2**20
+    assert cublas_workspace_bytes("8.0") == CUBLAS_WORKSPACE_BYTES == 8 * 2**20 + 128 * 1024
+    tr = StorageTracker(emulation=CudaEmulation())
+    a = torch.ones(8, 8, requires_grad=True)
+    tr.start_phase("forward", 0)
+    with tr:
+        y = (a @ a) @ a  # two matmuls, one forward workspace pair
+        tr.start_phase("backward", 0)
+        y.sum().backward()  # the autograd thread gets its own pair
+    ws = [r.nbytes for r in tr.records.values() if r.category == WORKSPACE]
+    pair = [CUBLAS_WORKSPACE_BYTES, CUBLASLT_WORKSPACE_BYTES]
+    assert ws == pair + pair
+
+
+def test_flash_attention_backward_buffers_gqa():
+    # b=1, h=8, s=100, d=64, 2 kv heads: hand-computed from flash_api.cpp mha_bwd
+    q = torch.randn(1, 8, 100, 64, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, 100, 64, dtype=torch.bfloat16, requires_grad=True)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True,
+                                                           enable_gqa=True)
+    tr = StorageTracker(emulation=CudaEmulation())
+    tr.start_phase("backward", 0)
+    with tr:
+        out.sum().backward()
+    phantom = {r.op: r.nbytes for r in tr.records.values() if r.op.startswith("flash_bwd")}
+    assert phantom == {
+        "flash_bwd.softmax_d": 4 * 1 * 8 * 128,  # fp32 [b, h, round128(s)]
+        "flash_bwd.dq_accum": 4 * 1 * 128 * 8 * 64,  # fp32 [b, round128(s), h, round32(d)]
+        "flash_bwd.dk_expanded": 2 * 1 * 100 * 8 * 64,  # [b, s_k, h, d] before the group sum
+        "flash_bwd.dv_expanded": 2 * 1 * 100 * 8 * 64,
+    }
+    keys = {k for k, r in tr.records.items() if r.op.startswith("flash_bwd")}
+    assert all(any(kind == FREE and key == k for kind, key, _ in tr.events) for k in keys)
