@@ -105,12 +105,17 @@ def miss_text(m: Any) -> str:
             f"{fmt_bytes(m.host_short_bytes)} more host RAM than available ({where})")
 
 
+MISSES_SHOWN = 5
+
+
 def render_misses(misses: list[Any], out: Any) -> None:
     if not misses:
         return
     out.print("[bold]families that do not fit[/] (nearest miss):")
-    for m in misses:
+    for m in misses[:MISSES_SHOWN]:
         out.print(f"  {miss_text(m)}")
+    if len(misses) > MISSES_SHOWN:
+        out.print(f"  [dim]... and {len(misses) - MISSES_SHOWN} more (--json)[/]")
 
 
 def _read_as(c: dict[str, Any]) -> str:

@@ -114,6 +114,9 @@ def request_from_options(opts: PlanOptions) -> tuple[ModelSpec, PlanRequest]:
         profile = profile_data(opts.data, spec, resolved, base.data.format,
                                seq_cap=opts.seq_len,
                                images_per_sample=base.data.images_per_sample or None)
+    if profile is not None:  # the request: every sample whole (cut only by --seq-len)
+        base = base.model_copy(update={"seq_len": max(1, profile.cutoffs[0].length - (
+            base.data.images_per_sample * spec.vision.tokens_per_image if spec.vision else 0))})
     given_batch = opts.effective_batch
     if given_batch is None and not opts.model.endswith((".yaml", ".yml")):
         given_batch = default_effective_batch(cluster.world_size)

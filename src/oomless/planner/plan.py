@@ -7,7 +7,8 @@ much it misses. The result is a frozen, JSON-serialisable PlanResult.
 
 Ranking (``objective``):
 - ``speed``: fewest trade-offs first (see search.py), then highest predicted
-  tokens/s; ties keep the search's preference order.
+  tokens/s (within 0.5%: a tie); ties keep the search's preference order
+  (no ZeRO before ZeRO, no checkpointing before checkpointing, flash first).
 - ``memory``: fewest trade-offs, then lowest device peak, then tokens/s.
 - ``change`` (``oomless check``): the smallest change to the given
   configuration (weighted knob changes, CHANGE_COST), then tokens/s.
@@ -15,6 +16,7 @@ Ranking (``objective``):
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -164,8 +166,11 @@ class _Found:
     key: tuple = ()
 
 
+SPEED_TIE = 0.005  # speeds within 0.5% rank as equal: the search's order (simpler first) decides
+
+
 def _rank_key(req: PlanRequest, f: _Found) -> tuple:
-    tps = -f.step.tokens_per_s
+    tps = -round(math.log(max(f.step.tokens_per_s, 1e-9)) / math.log1p(SPEED_TIE))
     if req.objective == "change":
         return (change_cost(knob_changes(req.base, f.cfg, req.method_auto)), tps, f.family_order)
     if req.objective == "memory":
