@@ -62,7 +62,9 @@ def _base_config(opts: PlanOptions, spec: ModelSpec) -> tuple[RunConfig, list[st
     if opts.lora_r:
         changes["lora.r"] = opts.lora_r
         fixed.add("lora")
-    if spec.vision and (opts.images is not None or not base.data.images_per_sample):
+    if spec.vision and opts.data and opts.images is None:
+        pass  # the data's own image counts decide (request_from_options)
+    elif spec.vision and (opts.images is not None or not base.data.images_per_sample):
         images = 1 if opts.images is None else opts.images
         changes["data.images_per_sample"] = images
         if opts.images is None:
@@ -112,8 +114,10 @@ def request_from_options(opts: PlanOptions) -> tuple[ModelSpec, PlanRequest]:
         from .datastats import profile_data
 
         profile = profile_data(opts.data, spec, resolved, base.data.format,
-                               seq_cap=opts.seq_len,
-                               images_per_sample=base.data.images_per_sample or None)
+                               seq_cap=opts.seq_len, images_per_sample=opts.images)
+        if spec.vision and opts.images is None:  # memory: the most images one sample has
+            base = base.model_copy(update={"data": base.data.model_copy(
+                update={"images_per_sample": profile.max_images})})
     if profile is not None:  # the request: every sample whole (cut only by --seq-len)
         base = base.model_copy(update={"seq_len": max(1, profile.cutoffs[0].length - (
             base.data.images_per_sample * spec.vision.tokens_per_image if spec.vision else 0))})

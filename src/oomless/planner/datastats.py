@@ -62,15 +62,13 @@ class DataProfile:
     images_per_sample: float = 0.0
     max_images: int = 0
     cutoffs: tuple[Cutoff, ...] = ()
+    file_order: tuple[int, ...] = ()  # the same lengths in file order (packing follows it)
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def percentile(self, q: float) -> int:
         """Nearest-rank percentile (as oomless.runtime.data does)."""
         n = len(self.lengths)
         return self.lengths[min(n - 1, max(0, math.ceil(q * n / 100) - 1))]
-
-    def cut_count(self, length: int) -> int:
-        return sum(1 for x in self.lengths if x > length)
 
     def summary(self) -> dict[str, Any]:
         return {"file": self.file, "source": self.source, "samples": len(self.lengths),
@@ -86,15 +84,12 @@ class DataProfile:
         oomless.runtime.data.pack_examples builds them (consecutive, in file order)."""
         key = ("rows", length, packing)
         if key not in self._cache:
-            capped = [min(x, length) for x in self._file_order()]
+            capped = [min(x, length) for x in (self.file_order or self.lengths)]
             if not packing:
                 self._cache[key] = (capped, [x * x for x in capped])
             else:
                 self._cache[key] = _pack(capped, length)
         return self._cache[key]
-
-    def _file_order(self) -> tuple[int, ...]:
-        return self._cache.get("order", self.lengths)
 
     def token_load(self, micro_batch: int, length: int, packing: bool, varlen: bool) -> TokenLoad:
         """Expected cost and content of one micro batch drawn at random, padded
@@ -244,8 +239,7 @@ def profile_data(path: str, spec: ModelSpec, resolved: Any = None, fmt: str = "a
             images = [images_per_sample] * len(lengths)
         lengths = [x + n * spec.vision.tokens_per_image for x, n in zip(lengths, images, strict=True)]
     cap = min(seq_cap or spec.max_position_embeddings, spec.max_position_embeddings)
-    prof = DataProfile(path, source, tuple(sorted(lengths)), len(lengths) + bad, bad,
+    return DataProfile(path, source, tuple(sorted(lengths)), len(lengths) + bad, bad,
                        round(sum(images) / len(images), 3) if spec.vision else 0.0,
-                       max(images) if spec.vision else 0, choose_cutoffs(lengths, cap))
-    prof._cache["order"] = tuple(lengths)
-    return prof
+                       max(images) if spec.vision else 0, choose_cutoffs(lengths, cap),
+                       tuple(lengths))

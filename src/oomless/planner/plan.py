@@ -24,7 +24,7 @@ from typing import Any
 from ..config import RunConfig
 from ..spec import ModelSpec
 from .evaluate import Evaluator, Fit
-from .search import PlanRequest, batch_splits, families, method_label, sharding_label
+from .search import PlanRequest, batch_splits, families
 from .speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
 from .speed import StepTime
 
@@ -282,8 +282,3 @@ def _assumptions(req: PlanRequest, plans: list[Plan]) -> list[str]:
                    "usable for offload (pass --host-ram-gb)")
     out += list(SPEED_ASSUMPTIONS)
     return out
-
-
-def group_label(cfg: RunConfig) -> str:
-    bits = cfg.quantization.bits if cfg.method == "qlora" else None
-    return f"{method_label(cfg.method, bits)} · {sharding_label(cfg.zero, cfg.offload)}"

@@ -9,7 +9,6 @@ max length = max_input_length + max_output_length + 1).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
@@ -365,7 +364,3 @@ def oomless_edits(cfg: RunConfig, old: RunConfig) -> list[tuple[str, tuple, Any]
         if _get(cfg, key) != _get(old, key):
             out.append(("main", tuple(key.split(".")), _get(cfg, key)))
     return out
-
-
-def paths_of(reading: Reading) -> list[Path]:
-    return [s.path for s in reading.sources.values()]
