@@ -24,7 +24,7 @@ from typing import Any
 from ..config import RunConfig
 from ..spec import ModelSpec
 from .evaluate import Evaluator, Fit
-from .search import PlanRequest, batch_splits, families
+from .search import SEARCH_ASSUMPTIONS, PlanRequest, batch_splits, families
 from .speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
 from .speed import StepTime
 
@@ -95,6 +95,7 @@ class Plan:
     tradeoffs: list[str] = field(default_factory=list)
     epoch_s: float | None = None
     phase_peaks: dict[str, int] = field(default_factory=dict)
+    memory_assumptions: list[str] = field(default_factory=list)  # the estimate's own
 
     @property
     def tokens_per_s(self) -> float:
@@ -244,6 +245,7 @@ def _to_plan(spec: ModelSpec, req: PlanRequest, f: _Found) -> Plan:
         gpu_memory_bytes=req.cluster.gpu.memory_bytes, host_ram_bytes=est.host_ram_bytes,
         speed=f.step.to_dict(), changes=knob_changes(req.base, cfg, req.method_auto),
         tradeoffs=list(f.tradeoffs), epoch_s=epoch_s, phase_peaks=est.phase_peaks(),
+        memory_assumptions=list(est.assumptions),
     )
 
 
@@ -280,5 +282,7 @@ def _assumptions(req: PlanRequest, plans: list[Plan]) -> list[str]:
     if req.host_ram_assumed:
         out.append(f"host RAM not stated: assumed {req.host_ram_bytes / 1e9:.0f} GB per node "
                    "usable for offload (pass --host-ram-gb)")
-    out += list(SPEED_ASSUMPTIONS)
+    out += list(SEARCH_ASSUMPTIONS) + list(SPEED_ASSUMPTIONS)
+    if plans:  # the memory model's assumptions, for the best plan
+        out += [a for a in plans[0].memory_assumptions if a not in out]
     return out

@@ -35,6 +35,17 @@ if TYPE_CHECKING:
 KNOBS = ("method", "quantization", "precision", "optimizer", "lora", "grad_ckpt", "attn",
          "zero", "seq_len", "packing", "eval_batch")
 
+SEARCH_ASSUMPTIONS = (
+    "searched: method (unless fixed), QLoRA nf4 and int8, LoRA rank 8 and attention-only "
+    "targets as trade-offs, bf16 (fp16 without bf16) and pure bf16 (full fine-tuning without "
+    "ZeRO only: LLaMA-Factory refuses it with ZeRO-3, DeepSpeed keeps fp32 masters anyway), "
+    "AdamW / paged / 8-bit for full fine-tuning (LoRA/QLoRA keep the requested optimizer: "
+    "their states are < 1% of memory), checkpointing, sdpa and flash, every micro batch × "
+    "accumulation split, ZeRO 0-3 with optimizer/parameter offload (no ZeRO-3 for QLoRA)",
+    "attention 'flash' means transformers' flash_attention_2 (needs the flash-attn package, "
+    "Ampere or newer, head_dim ≤ 256); sliding-window attention is counted as full attention",
+)
+
 # Model types whose transformers implementation has no FlashAttention-2 path
 # (checked against transformers' `_supports_flash_attn` in tests/planner).
 NO_FLASH_MODEL_TYPES = frozenset()
