@@ -79,6 +79,10 @@ class InjectOOM(_Section):
     micro_index: int | None = Field(
         None, ge=0, description="micro batch inside the step that fails (null: the last)"
     )
+    during: Literal["forward", "backward"] = Field(
+        "forward", description="fail after the forward (before backward) or after the backward "
+        "(its gradients already accumulated: they must be dropped and the step redone)"
+    )
 
 
 class TrainingConfig(_Section):
@@ -140,6 +144,11 @@ class RunConfig(_Section):
             raise ValueError(
                 "QLoRA with ZeRO-3 is not modelled: 4-bit weights are not sharded by "
                 "our engines; use zero: 2 or method: lora"
+            )
+        if self.precision == "pure-bf16" and self.zero > 0:
+            raise ValueError(
+                "pure-bf16 with DeepSpeed ZeRO: DeepSpeed keeps fp32 master weights and "
+                "optimizer states anyway; use precision: bf16 with zero, or zero: 0"
             )
         if self.precision == "fp32" and self.method == "qlora":
             raise ValueError("QLoRA computes in 16-bit; use precision bf16 or fp16")

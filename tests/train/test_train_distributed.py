@@ -56,3 +56,23 @@ def test_oom_on_rank_1_halves_the_micro_batch_on_both_ranks(single_process, run_
     a, b = trained_state(single_process), trained_state(run)
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("zero", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_deepspeed_zero_two_processes_oom_on_rank_1(single_process, run_config, tmp_path, zero):
+    """DeepSpeed's ZeRO engine on gloo: the ranks agree before the backward collectives."""
+    pytest.importorskip("deepspeed")
+    cfg = run_config(f"zero{zero}", micro_batch_size=2, grad_accum=2, zero=zero,
+                     **{"training.max_steps": 4,
+                        "training.inject_oom": [{"step": 2, "rank": 1}]})
+    path = tmp_path / "zero.yaml"
+    path.write_text(dump_run_config(cfg))
+    _torchrun(path)
+    run = tmp_path / f"zero{zero}"
+    (event,) = [e for e in read_events(run) if e["event"] == "oom"]
+    assert event["ranks"] == [1]
+    assert [s["micro_batch_size_per_rank"] for s in read_steps(run)][1:] == [[1, 1]] * 3
+    assert (run / "checkpoints" / "step-000004" / "deepspeed").is_dir()
+    a, b = trained_state(single_process), trained_state(run)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4)

@@ -107,3 +107,11 @@ def test_injection_for_another_rank_does_not_fire(run_config):
     result = train(run_config(**{"training.max_steps": 2,
                                  "training.inject_oom": [{"step": 1, "rank": 1}]}))
     assert not [e for e in read_events(result.run_dir) if e["event"] == "oom"]
+
+
+def test_oom_after_gradients_were_written_drops_them_and_redoes_the_step(baseline, run_config):
+    inject = [{"step": 3, "micro_index": 1, "during": "backward"}]
+    result = train(run_config(**STEPS, **{"training.inject_oom": inject}))
+    (event,) = [e for e in read_events(result.run_dir) if e["event"] == "oom"]
+    assert event["step"] == 3 and "after backward" in event["error"]
+    _assert_same_training(baseline, result.run_dir)  # no gradient counted twice

@@ -2,7 +2,8 @@
 
 Layout: ``RUN/checkpoints/step-000012/`` holding the adapter (PEFT) or the
 model (``save_pretrained``, safetensors), ``optimizer.pt``, ``scheduler.pt``,
-``rng-rank{R}.pt`` (one per process) and ``trainer_state.json`` (step,
+``rng-rank{R}.pt`` (one per process; DeepSpeed: ``deepspeed/`` with each rank's
+optimizer partition) and ``trainer_state.json`` (step,
 current micro batch, checkpointing switch, sample schedule, fault-injection
 state). Everything is written into a temporary folder that is renamed into
 place, so a checkpoint either exists completely or not at all. Several
@@ -110,13 +111,10 @@ def write_rank_rng(tmp: Path, rank: int) -> None:
     torch.save(rng_state(), tmp / f"rng-rank{rank}.pt")
 
 
-def write_main(tmp: Path, model: Any, optimizer: Any, scheduler: Any,
-               state: dict[str, Any]) -> None:
-    """Rank 0: weights, optimizer, scheduler and the trainer state (written last)."""
+def write_main(tmp: Path, scheduler: Any, state: dict[str, Any]) -> None:
+    """Rank 0: scheduler and the trainer state (written last)."""
     import torch
 
-    save_weights(model, tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     (tmp / STATE).write_text(json.dumps(state, indent=2) + "\n")
 
@@ -139,12 +137,11 @@ def read_state(folder: Path) -> dict[str, Any]:
     return json.loads((folder / STATE).read_text())
 
 
-def restore(folder: Path, model: Any, optimizer: Any, scheduler: Any, rank: int) -> dict:
-    """Load everything a checkpoint holds into the live objects; returns its state."""
+def restore(folder: Path, model: Any, scheduler: Any, rank: int) -> dict:
+    """Load weights, scheduler and this rank's RNG (the engine loads the optimizer)."""
     import torch
 
     load_weights(model, folder)
-    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
     rng_file = folder / f"rng-rank{rank}.pt"
     if not rng_file.is_file():

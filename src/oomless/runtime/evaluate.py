@@ -30,6 +30,8 @@ class Evaluator:
         """Apply ``fn`` to consecutive eval batches; OOM halves the eval batch."""
         import torch
 
+        from .train import first_line
+
         t, out, pos = self.t, [], 0
         while pos < self.lockstep_len:
             size = t.eval_batch_size
@@ -40,12 +42,12 @@ class Evaluator:
                 t.injector.check("eval", t.eval_round, pos // size, n_batches)
                 value = fn([t.eval_data.examples[i] for i in idx]) if idx else None
             except torch.OutOfMemoryError as err:
-                error = str(err).splitlines()[0]
+                error = first_line(err)
             if not t.dist.any_true(bool(error)):
                 out.append(value)
                 pos += size
                 continue
-            release_memory(t.optimizer, t.device)
+            release_memory(lambda: None, t.device)
             if size == 1:
                 raise TrainingOOMError(f"out of memory in {phase} at evaluation batch 1 "
                                        f"(step {t.step}): {error}; lower eval.max_new_tokens "
@@ -64,7 +66,7 @@ class Evaluator:
         batch = collate(examples, self.t.pad_id, self.t.device)
         labels = batch.pop("labels")
         with torch.no_grad(), self.t._autocast():
-            loss = token_loss_sum(self.t.model(**batch).logits, labels)
+            loss = token_loss_sum(self.t.engine.forward(batch), labels)
         return float(loss), float(label_tokens(examples))
 
     def _generate(self, examples: list[Example]) -> list[dict[str, Any]]:
@@ -83,7 +85,7 @@ class Evaluator:
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         with torch.no_grad(), t._autocast():
-            out = t.model.generate(input_ids=ids.to(t.device), attention_mask=mask.to(t.device),
+            out = t.engine.module.generate(input_ids=ids.to(t.device), attention_mask=mask.to(t.device),
                                    max_new_tokens=t.cfg.eval.max_new_tokens or 64,
                                    do_sample=False, pad_token_id=t.pad_id, use_cache=True)
         rows = []
@@ -97,7 +99,7 @@ class Evaluator:
     def run(self) -> dict[str, Any]:
         t = self.t
         t.eval_round += 1
-        t.model.eval()
+        t.engine.module.eval()
         try:
             parts = self._batches(self._loss, "evaluation")
             loss_sum, tokens = t.dist.all_reduce([sum(p[0] for p in parts),
@@ -110,7 +112,7 @@ class Evaluator:
                 metrics["exact_match"] = hits / max(n, 1)
                 self._write_predictions(rows)
         finally:
-            t.model.train()
+            t.engine.module.train()
         if t.dist.is_main:
             with open(t.run_dir / "eval.jsonl", "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(metrics) + "\n")

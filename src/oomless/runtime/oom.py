@@ -46,11 +46,12 @@ class FaultInjector:
 
     @staticmethod
     def _key(spec: InjectOOM) -> str:
-        return f"{spec.phase}:{spec.step}:{spec.micro_index}"
+        return f"{spec.phase}:{spec.step}:{spec.micro_index}:{spec.during}"
 
-    def check(self, phase: str, step: int, micro_index: int, num_micro: int) -> None:
+    def check(self, phase: str, step: int, micro_index: int, num_micro: int,
+              during: str = "forward") -> None:
         for spec in self.specs:
-            if spec.phase != phase or spec.step != step:
+            if spec.phase != phase or spec.step != step or spec.during != during:
                 continue
             target = num_micro - 1 if spec.micro_index is None else min(spec.micro_index,
                                                                         num_micro - 1)
@@ -58,7 +59,7 @@ class FaultInjector:
             if micro_index == target and self.fired.get(key, 0) < spec.times:
                 self.fired[key] = self.fired.get(key, 0) + 1
                 raise _oom(f"oomless fault injection: {phase} step {step}, rank {self.rank}, "
-                           f"micro batch {micro_index + 1}/{num_micro}")
+                           f"micro batch {micro_index + 1}/{num_micro}, after {during}")
 
     def state_dict(self) -> dict[str, int]:
         return dict(self.fired)
@@ -140,11 +141,11 @@ def budget_mode(budget_gb: float, baseline_bytes: int) -> Any:
     return _budget_mode_class()(int(budget_gb * GiB), baseline_bytes)
 
 
-def release_memory(optimizer: Any, device: Any) -> None:
+def release_memory(discard_gradients: Any, device: Any) -> None:
     """Drop what a failed step held: gradients, garbage, the allocator's cache."""
     import torch
 
-    optimizer.zero_grad(set_to_none=True)
+    discard_gradients()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

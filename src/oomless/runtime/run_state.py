@@ -35,7 +35,9 @@ def resume(tr: Trainer) -> None:
     if folder is None:
         raise ConfigError(f"--resume: no checkpoint in '{tr.run_dir / ckpt.CHECKPOINTS}'; "
                           "start without --resume")
-    state = ckpt.restore(folder, tr.model, tr.optimizer, tr.scheduler, tr.dist.rank)
+    with tr.engine.gathered():
+        state = ckpt.restore(folder, tr.engine.module, tr.scheduler, tr.dist.rank)
+    tr.engine.load_state(folder)
     if state["schedule"] != tr.schedule_dict():
         raise ConfigError(f"--resume: checkpoint '{folder}' was made with a different data "
                           f"size or effective batch ({state['schedule']}); resume with the "
@@ -60,8 +62,12 @@ def save_checkpoint(tr: Trainer) -> Path | None:
     tr.dist.barrier()
     tmp = Path(tr.dist.broadcast_str(str(tmp) if tmp else None))
     ckpt.write_rank_rng(tmp, tr.dist.rank)
+    tr.engine.save_state(tmp)
     tr.dist.barrier()
     final = None
+    with tr.engine.gathered():
+        if tr.dist.is_main:
+            ckpt.save_weights(tr.engine.module, tmp)
     if tr.dist.is_main:
         state = {"step": tr.step, "eval_round": tr.eval_round,
                  "micro_batch_size": tr.micro_batch_size,
@@ -69,7 +75,7 @@ def save_checkpoint(tr: Trainer) -> Path | None:
                  "schedule": tr.schedule_dict(),
                  "data_position": tr.schedule.position(tr.step),
                  "fault_injection": tr.injector.state_dict()}
-        ckpt.write_main(tmp, tr.model, tr.optimizer, tr.scheduler, state)
+        ckpt.write_main(tmp, tr.scheduler, state)
         final = ckpt.publish(tr.run_dir, tmp, tr.step, tr.cfg.training.save_total_limit)
         tr.log.event("checkpoint", f"checkpoint {final.name}", tr.step, path=str(final))
     tr.dist.barrier()
@@ -85,10 +91,12 @@ def finish(tr: Trainer, result: TrainResult) -> TrainResult:
     result.micro_batch_size, result.grad_ckpt = tr.micro_batch_size, tr.grad_ckpt
     result.predicted_peak_bytes = tr.predicted_peak_bytes
     result.measured_peak_bytes = measured_peak(tr)
-    if tr.dist.is_main:
+    tmp = ckpt.prepare_tmp(tr.run_dir, 0) if tr.dist.is_main else None
+    with tr.engine.gathered():
+        if tmp is not None:
+            ckpt.save_weights(tr.engine.module, tmp)
+    if tmp is not None:
         final = tr.run_dir / "final"
-        tmp = ckpt.prepare_tmp(tr.run_dir, 0)
-        ckpt.save_weights(tr.model, tmp)
         tr.tokenizer.save_pretrained(str(tmp))
         if final.exists():
             import shutil

@@ -30,6 +30,7 @@ from . import checkpoint as ckpt
 from .batches import SampleSchedule, collate, label_tokens, micro_batches
 from .data import load_examples, load_tokenizer
 from .dist import Dist, init_dist
+from .engines import make_engine
 from .loading import build_optimizer, build_scheduler, enable_grad_ckpt, load_model, torch_dtypes
 from .memlog import Progress, RunLog, device_memory
 from .oom import (
@@ -42,6 +43,22 @@ from .oom import (
     state_tensors,
     storage_bytes,
 )
+
+
+class StepOOM(Exception):
+    """An OOM in a micro batch (this rank's message, or empty: another rank had one)."""
+
+    def __init__(self, message: str, in_backward: bool = False) -> None:
+        super().__init__(message)
+        self.in_backward = in_backward
+
+
+@dataclass
+class _Progress:
+    """How far the current optimizer step got: samples whose gradients are in."""
+
+    done: int = 0
+    loss_sum: float = 0.0
 
 
 class TrainingInterrupted(OomlessError):
@@ -70,6 +87,11 @@ def token_loss_sum(logits: Any, labels: Any) -> Any:
     shift_logits = logits[:, :-1, :].float()
     return F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)),
                            labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (never empty)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def predicted_estimate(cfg: RunConfig, model_dir: Path, cluster: Any = None) -> Any:
@@ -151,6 +173,7 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg, self.params, self.device.type)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.total_steps)
+        self.engine = make_engine(self)  # may wrap model and optimizer (DeepSpeed)
         self.injector = FaultInjector(t.inject_oom, self.dist.rank)
         self.pad_id = self.tokenizer.pad_token_id
 
@@ -190,33 +213,63 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _accumulate(self, indices: list[int], denom: float) -> float:
-        """Forward and backward every micro batch of one step; returns the loss sum."""
-        chunks = micro_batches(indices, self.micro_batch_size)
+    def _accumulate(self, indices: list[int], denom: float, progress: _Progress) -> None:
+        """Forward and backward the step's samples not done yet, in micro batches.
+
+        The loss is divided by the whole step's label tokens, so each sample's
+        gradient does not depend on how the step is cut: after an OOM before a
+        backward, the samples already done keep their gradients and the rest
+        continue with the smaller micro batch.
+        """
+        import torch
+
+        chunks = micro_batches(indices[progress.done:], self.micro_batch_size)
         budget = self.cfg.training.memory_budget_gb
         mode = (budget_mode(budget, storage_bytes(state_tensors(self.model, self.optimizer)))
                 if budget else contextlib.nullcontext())
-        loss_total = 0.0
+        scale = self.engine.grad_scale / denom
         with mode:
             for i, chunk in enumerate(chunks):
-                batch = collate([self.train_data.examples[j] for j in chunk], self.pad_id,
-                                self.device)
-                labels = batch.pop("labels")
-                with self._autocast():
-                    logits = self.model(**batch).logits
-                loss_sum = token_loss_sum(logits, labels)
-                del logits
-                self.injector.check("train", self.step + 1, i, len(chunks))
-                (loss_sum / denom).backward()
-                loss_total += loss_sum.item()
-                del loss_sum, batch, labels
+                loss_sum = self._forward_loss(chunk, i, len(chunks))
+                try:
+                    self.engine.backward(loss_sum * scale, last=i == len(chunks) - 1)
+                    self.injector.check("train", self.step + 1, i, len(chunks), "backward")
+                except torch.OutOfMemoryError as err:
+                    raise StepOOM(first_line(err), in_backward=True) from None
+                progress.done += len(chunk)
+                progress.loss_sum += loss_sum.item()
+                del loss_sum
         if budget:  # the peak of the attempt that succeeded
             self.step_peak_bytes = mode.peak_bytes
             self.tracked_peak_bytes = max(self.tracked_peak_bytes, mode.peak_bytes)
-        return loss_total
 
-    def _recover(self, step: int, indices: list[int], error: str, ranks: list[int]) -> None:
-        release_memory(self.optimizer, self.device)
+    def _forward_loss(self, chunk: list[int], index: int, count: int) -> Any:
+        """One micro batch's summed token loss; engines agree on an OOM before backward."""
+        import torch
+
+        error = ""
+        try:
+            batch = collate([self.train_data.examples[j] for j in chunk], self.pad_id,
+                            self.device)
+            labels = batch.pop("labels")
+            with self._autocast():
+                logits = self.engine.forward(batch)
+            loss_sum = token_loss_sum(logits, labels)
+            del logits, batch, labels
+            self.injector.check("train", self.step + 1, index, count)
+        except torch.OutOfMemoryError as err:
+            error = first_line(err)
+        if self.engine.agree_each_micro and self.dist.any_true(bool(error)):
+            raise StepOOM(error)  # empty message: another rank had the OOM
+        if error:
+            raise StepOOM(error)
+        return loss_sum
+
+    def _recover(self, step: int, indices: list[int], errors: list[str], redo: bool) -> None:
+        """Every rank: smaller micro batch (or checkpointing), or stop with a diagnosis."""
+        ranks = [r for r, e in enumerate(errors) if e] or list(range(self.dist.world_size))
+        error = errors[ranks[0]]
+        release_memory(self.engine.discard if redo else (lambda: None), self.device)
         before = self.micro_batch_size
         rec = next_setting(self.micro_batch_size, self.grad_ckpt)
         if rec is None:
@@ -230,45 +283,47 @@ class Trainer:
         if rec.grad_ckpt and not self.grad_ckpt:
             enable_grad_ckpt(self.model)
             self.grad_ckpt = True
-        per_rank = len(indices)
-        self.log.event("oom", f"OOM at step {step} on rank(s) {ranks}: {rec.action}; redoing "
-                       "the same step with the same samples", step, ranks=ranks, error=error,
+        self.log.event("oom", f"OOM at step {step} on rank(s) {ranks}: {rec.action}; the same "
+                       "step goes on with the same samples", step, ranks=ranks, error=error,
                        micro_batch_before=before, micro_batch_after=self.micro_batch_size,
-                       grad_accum_after=math.ceil(per_rank / self.micro_batch_size),
+                       grad_accum_after=math.ceil(len(indices) / self.micro_batch_size),
                        grad_ckpt=self.grad_ckpt, effective_batch=self.schedule.effective_batch)
 
-    def _train_step(self) -> dict[str, Any]:
-        import torch
+    def _attempt(self, indices: list[int], denom: float, progress: _Progress) -> StepOOM | None:
+        try:
+            self._accumulate(indices, denom, progress)
+        except StepOOM as err:
+            return err
+        return None
 
+    def _train_step(self) -> dict[str, Any]:
         step = self.step + 1
         indices = self.schedule.step_indices(self.step, self.dist.rank)
         examples = [self.train_data.examples[j] for j in indices]
         denom = self.dist.all_reduce([float(label_tokens(examples))])[0]
         rng = ckpt.rng_state()
         start = time.perf_counter()
+        progress = _Progress()
         while True:
-            error = ""
-            try:
-                loss_sum = self._accumulate(indices, denom)
-            except torch.OutOfMemoryError as err:
-                error = str(err).splitlines()[0]
-            if not self.dist.any_true(bool(error)):
+            oom = self._attempt(indices, denom, progress)
+            if not self.dist.any_true(oom is not None):  # the agreement
                 break
-            errors = self.dist.gather_objects(error)  # the agreement: every rank changes
-            ranks = [r for r, e in enumerate(errors) if e]
-            self._recover(step, indices, errors[ranks[0]], ranks)
-            ckpt.set_rng_state(rng)
-        self.dist.sum_gradients(self.params)
-        grad_norm = None
-        if self.cfg.training.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
-                                                             self.cfg.training.max_grad_norm))
+            if oom and oom.in_backward and self.engine.name != "replica":
+                raise TrainingOOMError(
+                    f"OOM inside {self.engine.name}'s backward at step {step} ({oom}); its "
+                    "collectives cannot be undone in-process: resume (--resume) with "
+                    f"micro_batch_size {max(1, self.micro_batch_size // 2)}")
+            redo = bool(oom and oom.in_backward)
+            errors = self.dist.gather_objects(str(oom) if oom else "")
+            self._recover(step, indices, [str(e) for e in errors], redo)  # every rank changes
+            if redo:  # this rank's gradients were dropped: all its samples again
+                progress = _Progress()
+                ckpt.set_rng_state(rng)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        grad_norm = self.engine.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         n_tokens = float(sum(len(e) for e in examples))
-        loss_sum, n_tokens = self.dist.all_reduce([loss_sum, n_tokens])
+        loss_sum, n_tokens = self.dist.all_reduce([progress.loss_sum, n_tokens])
         elapsed = time.perf_counter() - start
         self.step = step
         return {"step": step, "loss": loss_sum / denom, "lr": lr, "tokens": int(n_tokens),
@@ -314,7 +369,7 @@ class Trainer:
         evaluator = Evaluator(self) if self.eval_data else None
         result = TrainResult(self.run_dir, self.step)
         bar = Progress(self.total_steps, self.step, self.show_progress and self.dist.is_main)
-        self.model.train()
+        self.engine.module.train()
         try:
             with _Signals() as signals:
                 while self.step < self.total_steps:
