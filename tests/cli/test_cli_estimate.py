@@ -96,3 +96,9 @@ def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "oomless", "gpus"], capture_output=True,
                          text=True)
     assert out.returncode == 0 and "a100-80gb" in out.stdout
+
+
+def test_pure_bf16_with_zero_is_refused(capsys):
+    rc, _, err = run_cli(capsys, "estimate", "qwen2.5-7b", "--precision", "pure-bf16",
+                         "--zero", "2")
+    assert rc == 2 and "pure-bf16 with DeepSpeed ZeRO" in err
