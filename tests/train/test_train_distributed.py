@@ -76,3 +76,57 @@ def test_deepspeed_zero_two_processes_oom_on_rank_1(single_process, run_config, 
     a, b = trained_state(single_process), trained_state(run)
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4)
+
+
+def _multi_gpu_yaml(run_config, tmp_path, **overrides):
+    cfg = run_config("multi", **{"hardware.gpu": "a100-80gb", "hardware.gpus_per_node": 4,
+                                 **overrides})
+    path = tmp_path / "multi.yaml"
+    path.write_text(dump_run_config(cfg))
+    return cfg, path
+
+
+@pytest.mark.parametrize(("zero", "nodes", "dist_type"),
+                         [(3, 2, "DEEPSPEED"), (2, 1, "DEEPSPEED"), (0, 1, "MULTI_GPU")])
+def test_several_gpus_launch_accelerate_with_valid_files(run_config, tmp_path, capsys,
+                                                         zero, nodes, dist_type):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from oomless.cli import main
+
+    cfg, path = _multi_gpu_yaml(run_config, tmp_path, zero=zero, **{"hardware.nodes": nodes})
+    argv = ["train", str(path), "--dry-run", "--resume", "--machine-rank", "1",
+            "--main-process-ip", "10.0.0.1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "accelerate.commands.launch --config_file" in out
+    assert out.strip().endswith(f"-m oomless train {path} --resume")
+    run = tmp_path / "multi"
+    acc = load_config_from_file(str(run / "accelerate.yaml"))  # accelerate's own parser
+    assert (acc.distributed_type.value, acc.num_processes, acc.num_machines) == (
+        dist_type, 4 * nodes, nodes)
+    if zero:
+        assert acc.deepspeed_config["deepspeed_config_file"] == str(run / "deepspeed.json")
+    else:
+        assert not (run / "deepspeed.json").exists()
+
+
+def test_deepspeed_json_is_accepted_by_deepspeed(run_config):
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from oomless.runtime.engines import deepspeed_config
+
+    cfg = run_config(zero=3, offload="optimizer", precision="bf16", micro_batch_size=2)
+    parsed = DeepSpeedConfig(deepspeed_config(cfg, world_size=1))  # world 1 outside a group
+    assert (parsed.zero_optimization_stage, parsed.train_micro_batch_size_per_gpu,
+            parsed.bfloat16_config.enabled) == (3, 2, True)
+    assert parsed.zero_config.offload_optimizer.device == "cpu"
+    assert deepspeed_config(cfg, world_size=8)["train_batch_size"] == 16
+
+
+def test_multi_node_needs_the_main_address(run_config, tmp_path):
+    from oomless.cli import main
+
+    _, path = _multi_gpu_yaml(run_config, tmp_path, zero=3, **{"hardware.nodes": 2})
+    assert main(["train", str(path), "--dry-run"]) == 2

@@ -25,7 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output-dir", metavar="DIR", help="override training.output_dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--dry-run", action="store_true",
-                   help="with several GPUs: print the launch command instead of running it")
+                   help="with several GPUs: write the launch files, print the command, stop")
+    m = p.add_argument_group("several nodes (hardware.nodes > 1; run on every node)")
+    m.add_argument("--machine-rank", type=int, default=0, help="this node's rank (0 = main)")
+    m.add_argument("--main-process-ip", metavar="IP", help="address of the rank-0 node")
+    m.add_argument("--main-process-port", type=int, default=29500, metavar="PORT")
     p.set_defaults(func=_run)
 
 
