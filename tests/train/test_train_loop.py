@@ -166,3 +166,21 @@ def test_cli_user_errors_exit_2_without_traceback(tmp_path, capsys):
     assert main(["train", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "micro_batch_size" in err and "Traceback" not in err
+
+
+def test_docs_config_md_documents_every_key():
+    from pathlib import Path
+
+    from oomless.config import RunConfig
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+
+    def keys(model, prefix=""):
+        for name, field in model.model_fields.items():
+            yield prefix + name
+            if hasattr(field.annotation, "model_fields"):
+                yield from keys(field.annotation, prefix + name + ".")
+
+    missing = [k for k in keys(RunConfig) if f"`{k}`" not in text
+               and k not in ("quantization", "lora", "hardware", "eval", "data", "training")]
+    assert not missing
