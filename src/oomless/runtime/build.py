@@ -76,19 +76,25 @@ def _layer_holder(d: dict[str, Any]) -> tuple[dict[str, Any], str]:
             for key in LAYER_KEYS:
                 if isinstance(holder.get(key), int):
                     return holder, key
+    sub = d.get("text_config")
+    if isinstance(sub, dict):  # left to the text model's defaults (LLaVA-1.5)
+        return sub, "num_hidden_layers"
     raise ModelConfigError("config.json has no num_hidden_layers; cannot build the model")
 
 
 def num_layers_of(hf_config: dict[str, Any]) -> int:
     holder, key = _layer_holder(hf_config)
-    return holder[key]
+    if key in holder:
+        return holder[key]
+    config = transformers_config(hf_config)
+    return int(config.get_text_config().num_hidden_layers)
 
 
 def with_num_layers(hf_config: dict[str, Any], n: int) -> dict[str, Any]:
     """A copy of ``hf_config`` with ``n`` decoder layers; per-layer lists cut to ``n``."""
+    old = num_layers_of(hf_config)
     d = copy.deepcopy(hf_config)
     holder, key = _layer_holder(d)
-    old = holder[key]
     holder[key] = n
     for k, v in list(holder.items()):
         if isinstance(v, list) and len(v) == old:
@@ -179,9 +185,12 @@ def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake"
         _register_trace_attention()
         attn = TRACE_SDPA
     where = torch.device("meta") if mode == "fake" else torch.device(device)
-    with where:
-        model = _model_class(config).from_config(config, dtype=base_dtype(cfg),
-                                                 attn_implementation=attn)
+    try:
+        with where:
+            model = _model_class(config).from_config(config, dtype=base_dtype(cfg),
+                                                     attn_implementation=attn)
+    except ValueError as err:  # e.g. an attention implementation the class does not support
+        raise TraceUnsupported(f"transformers cannot build this model: {err}") from None
     model.config.use_cache = False
     model.train()
     if cfg.method == "qlora":
@@ -216,8 +225,9 @@ def _apply_lora(model: Any, cfg: RunConfig) -> Any:
     )
     try:
         return get_peft_model(model, lora)
-    except ValueError as err:
-        raise ModelConfigError(f"LoRA targets {targets!r} do not match this model: {err}") from None
+    except ValueError as err:  # PEFT refuses this LoRA on this model; so would training
+        raise TraceUnsupported(f"PEFT cannot apply LoRA (targets {targets!r}, dropout "
+                               f"{cfg.lora.dropout}) to this model: {err}") from None
 
 
 def _replace_with_4bit(model: Any, cfg: RunConfig) -> None:

@@ -64,7 +64,7 @@ def measure_cpu_stats(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluste
 
     from .analysis import analyze
     from .build import build_model
-    from .cuda_emulation import CudaEmulation, cublas_workspace_bytes
+    from .cuda_emulation import CudaEmulation
     from .step import make_batch
     from .trace import _wants_eval, run_tracked
 
@@ -77,9 +77,10 @@ def measure_cpu_stats(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluste
     batch = make_batch(built.model, cfg.micro_batch_size, cfg.seq_len, "cpu")
     eval_batch = (make_batch(built.model, cfg.eval_batch_size, cfg.seq_len, "cpu")
                   if _wants_eval(cfg) else None)
-    cap = cluster.gpu.compute_capability if cluster else None
+    from .trace import _cublas_bytes
+
     tracker = run_tracked(built.model, cfg, batch, eval_batch, device_type="cpu",
-                          emulation=CudaEmulation(cublas_bytes=cublas_workspace_bytes(cap)),
+                          emulation=CudaEmulation(cublas_bytes=_cublas_bytes(cluster)),
                           iterations=steps)
     return analyze(tracker, AllocatorConfig.from_conf(alloc_conf), num_layers=built.num_layers,
                    param_count=built.param_count, trainable_params=built.trainable_params)

@@ -93,20 +93,15 @@ def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Ten
     """``iterations`` optimizer steps (each one micro batch); returns the losses."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, device_type)
-    ac = autocast_dtype(cfg)
     scaler = torch.amp.GradScaler(device_type) if cfg.precision == "fp16" else None
     forward = training_forward(model, cfg)
     losses: list[float] = []
+    # with gradient accumulation, a second micro batch runs while the first one's
+    # gradients are held: two micro batches show every state a longer run reaches
+    micro_batches = min(cfg.grad_accum, 2)
     for it in range(iterations):
-        on_phase("forward", it)
-        with torch.autocast(device_type, dtype=ac or torch.bfloat16, enabled=ac is not None):
-            outputs = forward(**batch)
-        loss = outputs.loss
-        del outputs
-        on_phase("backward", it)
-        (scaler.scale(loss) if scaler else loss).backward()
-        losses.append(loss.detach())
-        del loss
+        for _ in range(micro_batches):
+            losses.append(_micro_step(forward, batch, cfg, device_type, scaler, on_phase, it))
         if on_grads:
             on_grads([p.grad for p in params if p.grad is not None])
         on_phase("optimizer", it)
@@ -118,6 +113,21 @@ def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Ten
         on_phase("evaluation", iterations)
         evaluate(model, cfg, eval_batch, device_type)
     return losses
+
+
+def _micro_step(forward: Callable[..., Any], batch: dict[str, torch.Tensor], cfg: RunConfig,
+                device_type: str, scaler: Any, on_phase: Callable[[str, int], None],
+                iteration: int) -> Any:
+    """Forward (autocast) and backward of one micro batch; the loss, detached."""
+    ac = autocast_dtype(cfg)
+    on_phase("forward", iteration)
+    with torch.autocast(device_type, dtype=ac or torch.bfloat16, enabled=ac is not None):
+        outputs = forward(**batch)
+    loss = outputs.loss / cfg.grad_accum  # Trainer scales the loss for accumulation
+    del outputs
+    on_phase("backward", iteration)
+    (scaler.scale(loss) if scaler else loss).backward()
+    return loss.detach()
 
 
 def _optimizer_step(optimizer: Any, params: list[torch.nn.Parameter], cfg: RunConfig,

@@ -86,9 +86,12 @@ def trace_training(cfg: RunConfig, cluster: Cluster | None = None, *, resolved: 
             "so the model cannot be built for a trace"), alloc_config)
     started = time.perf_counter()
     try:
+        from ..memory.training import llm_seq_len
+
         counts = layer_counts(resolved.hf_config, full)
-        runs = [trace_once(resolved.hf_config, cfg, cluster, n, alloc_config, timeline_points)
-                for n in counts]
+        seq = llm_seq_len(spec, cfg)  # image tokens join the text (vision tower not run)
+        runs = [trace_once(resolved.hf_config, cfg, cluster, n, alloc_config, timeline_points,
+                           seq_len=seq) for n in counts]
     except TraceUnsupported as err:
         return analytic_fallback(spec, cfg, cluster, str(err), alloc_config)
     except TraceFailed as err:
@@ -112,12 +115,13 @@ def analytic_fallback(spec: Any, cfg: RunConfig, cluster: Cluster | None, reason
 def _cublas_bytes(cluster: Cluster | None) -> int:
     from .cuda_emulation import cublas_workspace_bytes
 
-    return cublas_workspace_bytes(cluster.gpu.compute_capability if cluster else None)
+    # no GPU named: Hopper's workspace, as the analytic estimate assumes
+    return cublas_workspace_bytes(cluster.gpu.compute_capability if cluster else "9.0")
 
 
 def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | None,
-               num_layers: int, alloc_config: AllocatorConfig,
-               timeline_points: int = 800) -> TraceStats:
+               num_layers: int, alloc_config: AllocatorConfig, timeline_points: int = 800,
+               seq_len: int | None = None) -> TraceStats:
     """Build the model with ``num_layers`` layers, run the steps, analyse the stream."""
     from .build import fake_mode
     from .cuda_emulation import CudaEmulation
@@ -126,10 +130,10 @@ def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | Non
     built = build_model(hf_config, cfg, mode="fake", num_layers=num_layers)
     model = built.model
     fake = fake_mode()
+    seq = seq_len or cfg.seq_len
     with fake:
-        batch = make_batch(model, cfg.micro_batch_size, _seq_len(cfg), "cpu")
-        eval_batch = (make_batch(model, cfg.eval_batch_size, _seq_len(cfg), "cpu")
-                      if _wants_eval(cfg) else None)
+        batch = make_batch(model, cfg.micro_batch_size, seq, "cpu")
+        eval_batch = make_batch(model, cfg.eval_batch_size, seq, "cpu") if _wants_eval(cfg) else None
     tracker = run_tracked(model, cfg, batch, eval_batch, device_type="cpu", fake=fake,
                           emulation=CudaEmulation(cublas_bytes=_cublas_bytes(cluster)))
     stats = analyze(tracker, alloc_config, num_layers=built.num_layers,
@@ -139,12 +143,9 @@ def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | Non
     return stats
 
 
-def _seq_len(cfg: RunConfig) -> int:
-    return cfg.seq_len
-
-
 def _wants_eval(cfg: RunConfig) -> bool:
-    return bool(cfg.eval.batch_size or cfg.eval.steps)
+    """Evaluation is traced when the configuration evaluates (as the analytic model does)."""
+    return bool(cfg.eval.batch_size or cfg.eval.steps or cfg.eval.predict_with_generate)
 
 
 def register_model(tracker: Any, model: Any, cfg: RunConfig, batches: list[Any]) -> None:
@@ -252,9 +253,37 @@ def _assumptions(cfg: RunConfig, runs: list[TraceStats], layers: int) -> list[st
         out.append("paged optimizer states live in CUDA unified memory, outside the "
                    "caching allocator: reported as paged_optimizer_bytes, not counted")
     if cfg.data.images_per_sample:
-        out.append("images are not traced: the language model runs on text tokens only")
+        out.append("images: the vision tower is not run; the language model sees the image "
+                   "tokens as extra sequence positions (seq_len + images × tokens per image)")
+    if cfg.eval.predict_with_generate and cfg.eval.max_new_tokens:
+        out.append("generation during evaluation is not traced (it stops on data): its KV "
+                   "cache, activations and logits come from the analytic model, on top of "
+                   "the traced weights, adapters and optimizer states")
     for run in runs:
         out.extend(n for n in run.notes if n not in out)
+    return out
+
+
+PERSISTENT = ("weights", "lora_adapters", "optimizer", "cublas_workspace", "inputs",
+              "ddp_buckets")
+
+
+def _analytic_generation(spec: Any, cfg: RunConfig, cluster: Cluster | None,
+                         breakdown: dict[str, dict[str, int]]) -> dict[str, int] | None:
+    """predict_with_generate: traced persistent memory + the analytic KV cache,
+    activations and logits of HF generate."""
+    if not (cfg.eval.predict_with_generate and cfg.eval.max_new_tokens):
+        return None
+    from ..memory import estimate_training
+
+    analytic = estimate_training(spec, cfg, cluster).breakdown.get("generation")
+    if not analytic:
+        return None
+    base = breakdown.get("evaluation") or breakdown["optimizer"]
+    out = {k: v for k, v in base.items() if k in PERSISTENT}
+    for key in ("kv_cache", "activations", "logits"):
+        if analytic.get(key):
+            out[key] = analytic[key]
     return out
 
 
@@ -276,6 +305,9 @@ def _estimate(spec: Any, cfg: RunConfig, cluster: Cluster | None, runs: list[Tra
         for parts in breakdown.values():
             parts["ddp_buckets"] = buckets
         extra_reserved = buckets
+    generation = _analytic_generation(spec, cfg, cluster, breakdown)
+    if generation:
+        breakdown["generation"] = generation
     totals = {p: sum(c.values()) for p, c in breakdown.items()}
     peak_phase = max(totals, key=totals.__getitem__)
     peak_alloc = totals[peak_phase]
