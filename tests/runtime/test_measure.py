@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -53,6 +55,8 @@ def test_measure_on_cpu_returns_a_measure_result():
     est = measure_training(cfg, resolved=resolved(config), device="cpu", steps=2)
     assert est.method == "measure" and est.extra["device"] == "cpu"
     assert est.peak_allocated_bytes == max(est.phase_peaks().values())
+    losses = est.extra["losses"]  # a real run: finite losses from real random weights
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
     traced = trace_training(cfg, resolved=resolved(config))
     assert est.peak_allocated_bytes == traced.peak_allocated_bytes
 

@@ -34,6 +34,7 @@ class TraceStats:
     module_peaks: dict[str, dict[str, int]]
     num_events: int
     notes: list[str] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # real tensors only
 
     @property
     def phase_peaks(self) -> dict[str, int]:

@@ -285,6 +285,10 @@ def _quantize_module(module: Any, fake: Any, device: str, dtype: torch.dtype) ->
         param.quant_state, param.bnb_quantized, param.module = state, True, module
         module.quant_state = state
     module.weight = param
+    if module.bias is not None:  # replace_with_bnb_linear leaves it on the meta device
+        with fake if fake is not None else torch.device(device):
+            bias = torch.zeros(module.out_features, dtype=dtype)
+        module.bias = torch.nn.Parameter(bias, requires_grad=False)
 
 
 _FAKE_MODE: Any = None

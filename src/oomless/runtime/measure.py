@@ -82,8 +82,11 @@ def measure_cpu_stats(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluste
     tracker = run_tracked(built.model, cfg, batch, eval_batch, device_type="cpu",
                           emulation=CudaEmulation(cublas_bytes=_cublas_bytes(cluster)),
                           iterations=steps)
-    return analyze(tracker, AllocatorConfig.from_conf(alloc_conf), num_layers=built.num_layers,
-                   param_count=built.param_count, trainable_params=built.trainable_params)
+    stats = analyze(tracker, AllocatorConfig.from_conf(alloc_conf),
+                    num_layers=built.num_layers, param_count=built.param_count,
+                    trainable_params=built.trainable_params)
+    stats.losses = [float(x) for x in tracker.losses]
+    return stats
 
 
 def _measure_cpu(resolved: Any, cfg: RunConfig, cluster: Cluster | None, steps: int,
@@ -110,7 +113,7 @@ def _measure_cpu(resolved: Any, cfg: RunConfig, cluster: Cluster | None, steps: 
         gpu_memory_bytes=cluster.gpu.memory_bytes if cluster else None,
         extra={"device": "cpu", "per_module_peak": stats.module_peaks,
                "timeline": stats.timeline, "allocator": stats.allocator,
-               "tensor_peaks": stats.tensor_peaks,
+               "tensor_peaks": stats.tensor_peaks, "losses": stats.losses,
                "measure_seconds": round(time.perf_counter() - started, 2)},
     )
 
@@ -129,22 +132,32 @@ def _apply_alloc_conf(conf: str | None) -> None:
 
 
 class NvmlSampler:
-    """Device memory used (NVML), this process's if NVML can see it, sampled in a thread."""
+    """Device memory used (NVML), this process's if NVML can see it, sampled in a thread.
 
-    def __init__(self, torch_index: int, interval_s: float = 0.005):
+    Built without touching CUDA: the device is found from CUDA_VISIBLE_DEVICES, so
+    the memory used before the CUDA context exists can be read first.
+    """
+
+    def __init__(self, cuda_index: int = 0, interval_s: float = 0.005):
         import pynvml
-        import torch
 
         self._nvml = pynvml
         pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(torch_index).uuid)
-        uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-        self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        self.handle = self._handle(cuda_index)
         self.interval_s = interval_s
         self.peak_device_bytes = 0
         self.peak_process_bytes = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def _handle(self, cuda_index: int) -> Any:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        if not visible:
+            return self._nvml.nvmlDeviceGetHandleByIndex(cuda_index)
+        entry = visible.split(",")[cuda_index].strip()
+        if entry.startswith(("GPU-", "MIG-")):
+            return self._nvml.nvmlDeviceGetHandleByUUID(entry)
+        return self._nvml.nvmlDeviceGetHandleByIndex(int(entry))
 
     def device_used(self) -> int:
         return int(self._nvml.nvmlDeviceGetMemoryInfo(self.handle).used)
@@ -184,16 +197,23 @@ class NvmlSampler:
 
 
 def _cuda_context(index: int) -> tuple[NvmlSampler, int, int]:
-    """Create the CUDA context and measure it: NVML used after − before."""
+    """Create the CUDA context and measure it: NVML used after − before − reserved."""
     import torch
 
     sampler = NvmlSampler(index)
-    before = sampler.device_used()
+    existed = torch.cuda.is_initialized()
+    before = sampler.device_used()  # without a context yet, unless one existed
     torch.cuda.set_device(index)
-    torch.cuda.init()
-    torch.empty(1, device="cuda")  # the context exists once a kernel-ready tensor does
+    torch.empty(1, device="cuda")  # context + first allocation
     torch.cuda.synchronize()
     reserved = torch.cuda.memory_reserved()
+    if existed:  # the context predates us: this process's memory minus PyTorch's
+        own = sampler.process_used()
+        if own is None:
+            raise GPUUnavailableError(
+                "CUDA was already in use in this process and NVML cannot attribute memory "
+                "to it, so the CUDA context cannot be measured; run measure in a fresh process")
+        return sampler, sampler.device_used() - own, max(0, own - reserved)
     after = sampler.device_used()
     return sampler, before, max(0, after - before - reserved)
 
@@ -206,8 +226,7 @@ def _measure_gpu(resolved: Any, cfg: RunConfig, cluster: Cluster | None,
     from .step import make_batch, run_steps
     from .trace import _wants_eval
 
-    index = torch.cuda.current_device()
-    sampler, device_before, context_bytes = _cuda_context(index)
+    sampler, device_before, context_bytes = _cuda_context(0)
     torch.manual_seed(cfg.training.seed)
     built = build_model(resolved.hf_config, cfg, mode="real", device="cuda")
     batch = make_batch(built.model, cfg.micro_batch_size, cfg.seq_len, "cuda")

@@ -212,10 +212,10 @@ def run_tracked(model: Any, cfg: RunConfig, batch: dict, eval_batch: dict | None
     tracker.modules = modules
     try:
         with fake if fake is not None else contextlib.nullcontext(), tracker, modules:
-            run_steps(model, cfg, batch, device_type=device_type, iterations=iterations,
-                      on_phase=on_phase,
-                      on_grads=lambda g: tracker.categorize(g, GRADIENTS),
-                      on_states=lambda s: tracker.categorize(s, states), eval_batch=eval_batch)
+            tracker.losses = run_steps(
+                model, cfg, batch, device_type=device_type, iterations=iterations,
+                on_phase=on_phase, on_grads=lambda g: tracker.categorize(g, GRADIENTS),
+                on_states=lambda s: tracker.categorize(s, states), eval_batch=eval_batch)
     except NotImplementedError as err:
         raise TraceUnsupported(str(err)) from None
     except Exception as err:  # the model's own code failed: say where, fall back

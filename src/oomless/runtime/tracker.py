@@ -160,6 +160,7 @@ class StorageTracker(TorchDispatchMode):
         self.live_bytes = 0  # 512-rounded bytes of live storages
         self.module_peaks: dict[str, list[int]] = {}  # name → [forward peak, backward peak]
         self._by_storage: dict[int, int] = {}  # id(storage object) → key
+        self.losses: list[Any] = []  # the step's losses (set by the caller)
         self._next_key = 1
 
     # ---- phases and regions ------------------------------------------------
