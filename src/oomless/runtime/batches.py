@@ -73,8 +73,13 @@ def label_tokens(examples: list[Example]) -> int:
     return sum(sum(1 for t in e.labels[1:] if t != IGNORE_INDEX) for e in examples)
 
 
-def collate(examples: list[Example], pad_id: int, device: Any) -> dict[str, Any]:
-    """Right-padded tensors; packed examples carry position_ids and no attention mask."""
+def collate(examples: list[Example], pad_id: int, device: Any,
+            vision: Any = None) -> dict[str, Any]:
+    """Right-padded tensors; packed examples carry position_ids and no attention mask.
+
+    With ``vision`` (a VisionProcessor), the images of the batch become the
+    processor's pixel tensors, in the order their tokens appear.
+    """
     import torch
 
     width = max(len(e) for e in examples)
@@ -96,4 +101,10 @@ def collate(examples: list[Example], pad_id: int, device: Any) -> dict[str, Any]
         batch["position_ids"] = positions
     else:
         batch["attention_mask"] = mask
-    return {k: v.to(device) for k, v in batch.items()}
+    out = {k: v.to(device) for k, v in batch.items()}
+    images = [p for e in examples for p in e.images]
+    if images and vision is not None:
+        from .vision import pixel_inputs
+
+        out.update(pixel_inputs(vision, images, device))
+    return out

@@ -14,23 +14,21 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..config import DataConfig
 from ..errors import DataError
+from .formats import FORMATS, RecordError, detect_format, record_to_messages
+
+__all__ = ["FORMATS", "IGNORE_INDEX", "BadRecord", "Example", "LoadedData", "RecordError",
+           "detect_format", "encode_messages", "load_examples", "pack_examples",
+           "record_to_messages", "token_length_stats"]
 
 IGNORE_INDEX = -100  # the label value torch.nn.CrossEntropyLoss ignores (its ignore_index default)
-FORMATS = ("alpaca", "sharegpt", "messages")
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant",
-                   "assistant": "assistant", "system": "system"}
 MAX_LISTED_BAD = 50  # bad records printed in an error message; all go to rejected.jsonl
-
-
-class RecordError(ValueError):
-    """One record is unusable; the message is the reason shown to the user."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +53,7 @@ class Example:
     prompt_tokens: int = 0
     response_tokens: int = 0
     truncated: bool = False
+    images: tuple[str, ...] = ()  # vision-language: image files, in order
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -124,112 +123,6 @@ def iter_raw_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
                         "expected .json, .jsonl or .parquet")
 
 
-# ---- formats → messages ---------------------------------------------------------
-def detect_format(record: dict[str, Any]) -> str:
-    if "messages" in record:
-        return "messages"
-    if "conversations" in record:
-        return "sharegpt"
-    if "instruction" in record or "output" in record:
-        return "alpaca"
-    raise RecordError(f"unknown record format (keys: {sorted(record)}); expected "
-                      "instruction/output (alpaca), conversations (sharegpt) or messages")
-
-
-def _text(record: dict[str, Any], key: str, required: bool) -> str:
-    value = record.get(key)
-    if value is None or value == "":
-        if required:
-            raise RecordError(f"'{key}' is missing or empty")
-        return ""
-    if not isinstance(value, str):
-        raise RecordError(f"'{key}' must be a string, got {type(value).__name__}")
-    return value
-
-
-def _alpaca_messages(rec: dict[str, Any]) -> list[dict[str, str]]:
-    msgs = []
-    system = _text(rec, "system", False)
-    if system:
-        msgs.append({"role": "system", "content": system})
-    history = rec.get("history") or []
-    if not isinstance(history, list):
-        raise RecordError("'history' must be a list of [instruction, response] pairs")
-    for i, pair in enumerate(history):
-        if (not isinstance(pair, (list, tuple)) or len(pair) != 2
-                or not all(isinstance(x, str) and x for x in pair)):
-            raise RecordError(f"'history[{i}]' must be a pair of two non-empty strings")
-        msgs += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
-    instruction = _text(rec, "instruction", True)
-    extra = _text(rec, "input", False)
-    prompt = f"{instruction}\n{extra}" if extra else instruction
-    msgs += [{"role": "user", "content": prompt},
-             {"role": "assistant", "content": _text(rec, "output", True)}]
-    return msgs
-
-
-def _content(value: Any, where: str) -> str:
-    if isinstance(value, str) and value:
-        return value
-    if isinstance(value, list):  # OpenAI content parts: only text is supported
-        kinds = {p.get("type") for p in value if isinstance(p, dict)}
-        if kinds - {"text"}:
-            raise RecordError(f"{where}: content parts of type {sorted(kinds - {'text'})} "
-                              "are not supported for this text model")
-        text = "".join(p.get("text", "") for p in value)
-        if text:
-            return text
-    raise RecordError(f"{where}: content must be a non-empty string")
-
-
-def _turns(items: Any, key: str, role_key: str, text_key: str,
-           roles: dict[str, str]) -> list[dict[str, str]]:
-    if not isinstance(items, list) or not items:
-        raise RecordError(f"'{key}' must be a non-empty list")
-    msgs = []
-    for i, turn in enumerate(items):
-        where = f"'{key}[{i}]'"
-        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            raise RecordError(f"{where} must be an object with '{role_key}' and '{text_key}'")
-        role = roles.get(turn[role_key]) if isinstance(turn[role_key], str) else None
-        if role is None:
-            raise RecordError(f"{where}: unknown {role_key} {turn[role_key]!r}; "
-                              f"expected one of {sorted(roles)}")
-        msgs.append({"role": role, "content": _content(turn[text_key], where)})
-    return msgs
-
-
-def _check_order(msgs: list[dict[str, str]]) -> None:
-    body = msgs[1:] if msgs and msgs[0]["role"] == "system" else msgs
-    for i, msg in enumerate(body):
-        expected = "user" if i % 2 == 0 else "assistant"
-        if msg["role"] != expected:
-            raise RecordError(f"turn {i + 1} is '{msg['role']}', expected '{expected}': "
-                              "turns must alternate user/assistant after an optional system")
-    if not body or body[-1]["role"] != "assistant":
-        raise RecordError("the conversation must end with an assistant turn (nothing to learn)")
-
-
-def record_to_messages(record: Any, fmt: str = "auto") -> list[dict[str, str]]:
-    """Chat messages of one record in the given (or detected) format."""
-    if not isinstance(record, dict):
-        raise RecordError(f"a record must be a JSON object, got {type(record).__name__}")
-    found = detect_format(record)
-    if fmt != "auto" and found != fmt:
-        raise RecordError(f"record looks like '{found}' but data.format is '{fmt}'")
-    if record.get("images") or record.get("image"):
-        raise RecordError("record has images; image+text records need a vision-language model")
-    if found == "alpaca":
-        msgs = _alpaca_messages(record)
-    elif found == "sharegpt":
-        msgs = _turns(record["conversations"], "conversations", "from", "value", _SHAREGPT_ROLES)
-    else:
-        roles = {r: r for r in ("system", "user", "assistant")}
-        msgs = _turns(record["messages"], "messages", "role", "content", roles)
-    _check_order(msgs)
-    return msgs
-
-
 # ---- tokenization -----------------------------------------------------------------
 def _render(tokenizer: Any, msgs: list[dict[str, str]], gen_prompt: bool) -> str:
     from jinja2 import TemplateError
@@ -259,7 +152,8 @@ def _segments(tokenizer: Any, msgs: list[dict[str, str]]) -> list[tuple[bool, st
 
 
 def encode_messages(tokenizer: Any, msgs: list[dict[str, str]], line: int,
-                    max_input: int | None, max_output: int | None, seq_len: int) -> Example:
+                    max_input: int | None, max_output: int | None, seq_len: int,
+                    expand: Callable[[list[int]], list[int]] | None = None) -> Example:
     """Token ids and labels (-100 on prompt tokens), truncated to the budgets.
 
     Prompt pieces share the ``max_input`` budget and responses ``max_output``
@@ -272,6 +166,8 @@ def encode_messages(tokenizer: Any, msgs: list[dict[str, str]], line: int,
     truncated = False
     for is_response, text in _segments(tokenizer, msgs):
         piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if expand is not None and not is_response:
+            piece = expand(piece)  # vision: one image token -> the image's run of tokens
         budget = left[is_response]
         if budget is not None and len(piece) > budget - used[is_response]:
             piece, truncated = piece[: max(0, budget - used[is_response])], True
@@ -316,7 +212,7 @@ def pack_examples(examples: list[Example], seq_len: int) -> list[Example]:
                 tuple(n for e in bucket for n in e.lines),
                 tuple(i for e in bucket for i in range(len(e))),
                 sum(e.prompt_tokens for e in bucket), sum(e.response_tokens for e in bucket),
-                any(e.truncated for e in bucket)))
+                any(e.truncated for e in bucket), tuple(i for e in bucket for i in e.images)))
             bucket.clear()
 
     for ex in examples:
@@ -369,13 +265,30 @@ def _write_rejected(run_dir: Path, bad: list[BadRecord]) -> Path:
 
 
 # ---- the entry point ---------------------------------------------------------------------
+def _encode_vision(tokenizer: Any, vision: Any, raw: dict[str, Any], msgs: list[dict[str, str]],
+                   line: int, data: DataConfig, seq_len: int, data_dir: Path) -> Example:
+    from .vision import expand_image_tokens, image_token_counts, place_markers, record_images
+
+    paths = record_images(raw, data_dir)
+    msgs = place_markers(msgs, len(paths), vision)
+    counts = image_token_counts(vision, _render(tokenizer, msgs, False), paths)
+    total = sum(counts)
+    ex = encode_messages(tokenizer, msgs, line, data.max_input_length, data.max_output_length,
+                         seq_len, lambda ids: expand_image_tokens(ids, vision, counts))
+    if ex.input_ids.count(vision.image_token_id) != total:
+        raise RecordError("truncation would cut an image's tokens; raise seq_len or "
+                          "data.max_input_length")
+    return replace(ex, images=tuple(paths))
+
+
 def load_examples(path: str | os.PathLike[str], tokenizer: Any, data: DataConfig,
                   seq_len: int, run_dir: str | os.PathLike[str] | None = None,
-                  stats_name: str = "token_stats.json") -> LoadedData:
+                  stats_name: str = "token_stats.json", vision: Any = None) -> LoadedData:
     """Read, validate and tokenize a data file; statistics go to the run folder.
 
     ``data.on_bad_record == "error"`` raises one DataError naming every bad
-    record; ``"skip"`` writes them to ``run_dir/rejected.jsonl``.
+    record; ``"skip"`` writes them to ``run_dir/rejected.jsonl``. ``vision``
+    (runtime/vision.py VisionProcessor): image+text records are accepted.
     """
     ensure_chat_template(tokenizer)
     examples: list[Example] = []
@@ -384,9 +297,13 @@ def load_examples(path: str | os.PathLike[str], tokenizer: Any, data: DataConfig
         try:
             if isinstance(raw, RecordError):
                 raise raw
-            msgs = record_to_messages(raw, data.format)
-            examples.append(encode_messages(tokenizer, msgs, line, data.max_input_length,
-                                            data.max_output_length, seq_len))
+            msgs = record_to_messages(raw, data.format, allow_images=vision is not None)
+            if vision is not None and (raw.get("images") or raw.get("image")):
+                examples.append(_encode_vision(tokenizer, vision, raw, msgs, line, data,
+                                               seq_len, Path(path).parent))
+            else:
+                examples.append(encode_messages(tokenizer, msgs, line, data.max_input_length,
+                                                data.max_output_length, seq_len))
         except RecordError as err:
             bad.append(BadRecord(str(path), line, str(err),
                                  None if isinstance(raw, RecordError) else raw))

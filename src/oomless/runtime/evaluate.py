@@ -63,7 +63,7 @@ class Evaluator:
 
         from .train import token_loss_sum
 
-        batch = collate(examples, self.t.pad_id, self.t.device)
+        batch = collate(examples, self.t.pad_id, self.t.device, self.t.vision)
         labels = batch.pop("labels")
         with torch.no_grad(), self.t._autocast():
             loss = token_loss_sum(self.t.engine.forward(batch), labels)
@@ -84,10 +84,18 @@ class Evaluator:
         for row, p in enumerate(prompts):  # left padding for generation
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
+        extra: dict[str, Any] = {}
+        images = [p for ex in examples for p in ex.images]
+        if images and t.vision is not None:
+            from .vision import pixel_inputs
+
+            extra = pixel_inputs(t.vision, images, t.device)
         with torch.no_grad(), t._autocast():
-            out = t.engine.module.generate(input_ids=ids.to(t.device), attention_mask=mask.to(t.device),
-                                   max_new_tokens=t.cfg.eval.max_new_tokens or 64,
-                                   do_sample=False, pad_token_id=t.pad_id, use_cache=True)
+            out = t.engine.module.generate(**extra, input_ids=ids.to(t.device),
+                                           attention_mask=mask.to(t.device),
+                                           max_new_tokens=t.cfg.eval.max_new_tokens or 64,
+                                           do_sample=False, pad_token_id=t.pad_id,
+                                           use_cache=True)
         rows = []
         for ex, ref, gen in zip(examples, refs, out[:, width:].tolist(), strict=True):
             pred = tok.decode(gen, skip_special_tokens=True).strip()

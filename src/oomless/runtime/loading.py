@@ -122,7 +122,13 @@ def load_model(cfg: RunConfig, device: Any) -> tuple[Any, Path]:
                               "trust_remote_code": cfg.training.trust_remote_code}
     if quant is not None:
         kwargs.update(quantization_config=quant, device_map={"": device.index or 0})
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    from .vision import is_vision_model
+
+    if is_vision_model(model_dir):
+        from transformers import AutoModelForImageTextToText as AutoModel
+    else:
+        AutoModel = AutoModelForCausalLM
+    model = AutoModel.from_pretrained(str(model_dir), **kwargs)
     if quant is None:
         model.to(device)
     model.config.use_cache = False

@@ -119,7 +119,13 @@ def run_preflight(cfg: RunConfig, model_dir: Path) -> Preflight:
     if cluster is None:
         return Preflight(None, None, "no GPU configured (hardware.gpu) or present: "
                          "memory not checked before training")
-    est = _estimate(cfg, model_dir, cluster)
+    from ..errors import ModelConfigError, UnknownModelError
+
+    try:
+        est = _estimate(cfg, model_dir, cluster)
+    except (UnknownModelError, ModelConfigError) as err:
+        return Preflight(None, cluster, f"memory not checked: the estimator cannot model "
+                         f"this model ({err})")
     if est.fits:
         return Preflight(est, cluster, f"fits on {cluster.describe()}: predicted "
                          f"{fmt_bytes(est.device_peak_bytes)} of {fmt_bytes(est.gpu_memory_bytes)}")

@@ -6,9 +6,12 @@ Trainer (``tr``) whose state it saves or restores.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config import RunConfig
 from ..errors import ConfigError
 from . import checkpoint as ckpt
 from .loading import enable_grad_ckpt
@@ -130,3 +133,48 @@ def summary_dict(result: TrainResult, trainer: Trainer) -> dict[str, Any]:
                                    else "simulated (tracked tensors)" if
                                    result.measured_peak_bytes else None),
             "final_dir": str(result.final_dir) if result.final_dir else None}
+
+
+class Signals:
+    """SIGINT/SIGTERM set a flag; the loop checkpoints after the current step."""
+
+    def __init__(self) -> None:
+        self.caught: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> Signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread: leave handlers alone
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.caught = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def predicted_estimate(cfg: RunConfig, model_dir: Path, cluster: Any = None) -> Any:
+    """The analytic estimate of this run (None where the model is not modelled)."""
+    from ..catalog import resolve_model
+    from ..errors import ModelConfigError, UnknownModelError
+    from ..memory import estimate_training
+
+    try:
+        spec = resolve_model(str(model_dir)).spec
+    except (UnknownModelError, ModelConfigError):
+        return None
+    return estimate_training(spec, cfg, cluster)
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -168,3 +168,58 @@ def build_tiny_model(
         if tmp.exists():
             shutil.rmtree(tmp)
     return out
+
+
+IMAGE_TOKEN = "<image>"
+
+
+def build_tiny_vlm(out_dir: str | os.PathLike[str], seed: int = 0, image_size: int = 32,
+                   patch_size: int = 8, overwrite: bool = False) -> Path:
+    """A tiny LLaVA (CLIP vision tower + projector + Qwen2 language model) with its processor.
+
+    Each image becomes (image_size / patch_size)² tokens (16 by default). Saved
+    as a normal folder that AutoModelForImageTextToText / AutoProcessor load.
+    """
+    import torch
+    from transformers import (
+        AutoModelForImageTextToText,
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaProcessor,
+    )
+
+    out = Path(out_dir)
+    if _complete(out) and (out / "processor_config.json").is_file() and not overwrite:
+        return out
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    ids = {"pad": tokenizer.pad_token_id, "eos": tokenizer.eos_token_id, "bos": None}
+    text = tiny_config("qwen2", vocab_size=len(tokenizer), special_ids=ids)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, image_size=image_size,
+                              patch_size=patch_size, projection_dim=32)
+    config = LlavaConfig(vision_config=vision, text_config=text,
+                         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                         vision_feature_select_strategy="default", vision_feature_layer=-1,
+                         pad_token_id=ids["pad"], eos_token_id=ids["eos"])
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                               patch_size=patch_size, vision_feature_select_strategy="default",
+                               chat_template=CHAT_TEMPLATE, num_additional_image_tokens=1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        processor.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out

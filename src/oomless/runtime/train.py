@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,51 +80,21 @@ class TrainResult:
 
 
 def token_loss_sum(logits: Any, labels: Any) -> Any:
-    """Sum of next-token cross-entropy over label tokens (fp32 logits)."""
+    """Sum of next-token cross-entropy over label tokens, in fp32.
+
+    The labels are shifted (padded with -100 at the end), not the logits, so
+    no copy of the logits is made — as transformers' ForCausalLMLoss does.
+    """
     import torch.nn.functional as F
 
-    shift_logits = logits[:, :-1, :].float()
-    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)),
-                           labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), shifted.reshape(-1),
+                           ignore_index=-100, reduction="sum")
 
 
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message (never empty)."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
-def predicted_estimate(cfg: RunConfig, model_dir: Path, cluster: Any = None) -> Any:
-    """The analytic estimate of this run (None where the model is not modelled)."""
-    from ..catalog import resolve_model
-    from ..errors import ModelConfigError, UnknownModelError
-    from ..memory import estimate_training
-
-    try:
-        spec = resolve_model(str(model_dir)).spec
-    except (UnknownModelError, ModelConfigError):
-        return None
-    return estimate_training(spec, cfg, cluster)
-
-
-class _Signals:
-    """SIGINT/SIGTERM set a flag; the loop checkpoints after the current step."""
-
-    def __init__(self) -> None:
-        self.caught: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> _Signals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(ValueError):  # not the main thread: leave handlers alone
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.caught = signum
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 class Trainer:
@@ -146,6 +115,8 @@ class Trainer:
     # ---- setup ----------------------------------------------------------------
     def _setup(self) -> None:
         from .loading import resolve_model_dir
+        from .run_state import seed_everything
+        from .vision import is_vision_model, load_processor
 
         self.dist: Dist = init_dist()
         self.device = self.dist.device
@@ -158,11 +129,13 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         seed_everything(t.seed)  # same seed on every rank: identical initial replicas
         self.tokenizer = load_tokenizer(str(model_dir), t.trust_remote_code)
+        self.vision = (load_processor(model_dir, t.trust_remote_code)
+                       if is_vision_model(model_dir) else None)
         rd = self.run_dir if self.dist.is_main else None
         self.train_data = load_examples(cfg.data.train_file, self.tokenizer, cfg.data,
-                                        cfg.seq_len, rd)
+                                        cfg.seq_len, rd, vision=self.vision)
         self.eval_data = (load_examples(cfg.data.eval_file, self.tokenizer, cfg.data,
-                                        cfg.seq_len, rd, "eval_token_stats.json")
+                                        cfg.seq_len, rd, "eval_token_stats.json", self.vision)
                           if cfg.data.eval_file else None)
         self.schedule = SampleSchedule(len(self.train_data.examples),
                                        cfg.micro_batch_size * cfg.grad_accum * self.dist.world_size,
@@ -180,6 +153,7 @@ class Trainer:
     def _preflight(self, model_dir: Path) -> None:
         """Estimate before loading weights; stop, or apply the plan with --auto-fit."""
         from .preflight import apply, run_preflight
+        from .run_state import predicted_estimate
 
         pre = run_preflight(self.cfg, model_dir)
         fitted = apply(pre, self.cfg, self.auto_fit or self.cfg.training.auto_fit)
@@ -250,7 +224,7 @@ class Trainer:
         error = ""
         try:
             batch = collate([self.train_data.examples[j] for j in chunk], self.pad_id,
-                            self.device)
+                            self.device, self.vision)
             labels = batch.pop("labels")
             with self._autocast():
                 logits = self.engine.forward(batch)
@@ -360,7 +334,7 @@ class Trainer:
 
     def _run(self) -> TrainResult:
         from .evaluate import Evaluator
-        from .run_state import finish, resume, write_run_files
+        from .run_state import Signals, finish, resume, write_run_files
 
         if self.resume:
             resume(self)
@@ -371,7 +345,7 @@ class Trainer:
         bar = Progress(self.total_steps, self.step, self.show_progress and self.dist.is_main)
         self.engine.module.train()
         try:
-            with _Signals() as signals:
+            with Signals() as signals:
                 while self.step < self.total_steps:
                     record = self._train_step()
                     record.update(self._memory_fields())
@@ -398,17 +372,6 @@ class Trainer:
         if evaluator and not (self.cfg.eval.steps and self.step % self.cfg.eval.steps == 0):
             result.eval_losses.append(evaluator.run()["eval_loss"])
         return finish(self, result)
-
-def seed_everything(seed: int) -> None:
-    import random
-
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
 
 def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False,
           progress: bool = False, auto_fit: bool = False,
