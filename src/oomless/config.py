@@ -31,7 +31,7 @@ class _Section(BaseModel):
 class LoraConfig(_Section):
     r: int = Field(16, ge=1, description="LoRA rank")
     alpha: float = Field(32, description="LoRA alpha (scaling = alpha / r)")
-    dropout: float = Field(0.05, ge=0, lt=1)
+    dropout: float = Field(0.0, ge=0, lt=1, description="PEFT and LLaMA-Factory default 0")
     targets: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="module names (q_proj, v_proj, ...) or 'all-linear'"
     )
