@@ -4,12 +4,11 @@ The GPU to check against is ``hardware.gpu`` from the configuration, or the
 CUDA device this process runs on. Without either (CPU runs) there is nothing
 to check and the preflight says so.
 
-Integration point with the planner (``oomless.planner``, issue 4): when that
-module provides ``best_fit(cfg: RunConfig, cluster: Cluster) -> RunConfig |
-None`` — the fastest configuration that fits and keeps the effective batch —
-preflight uses it. Until then :func:`local_fit` searches micro batch ×
-gradient accumulation (same product) and gradient checkpointing with the
-analytic estimator.
+The plan that fits comes from the planner (``oomless.planner.best_fit``): the
+fastest configuration that fits and keeps the effective batch and what is
+trained (method, precision, LoRA, optimizer, sequence length); it may change
+the micro batch × accumulation split, checkpointing and the evaluation batch,
+and ZeRO stage / offload only for runs that already use DeepSpeed.
 """
 
 from __future__ import annotations
@@ -75,31 +74,12 @@ def _estimate(cfg: RunConfig, model_dir: Path, cluster: Any) -> Any:
     return estimate_training(spec, cfg, cluster)
 
 
-def _fits(cfg: RunConfig, model_dir: Path, cluster: Any) -> bool:
-    return bool(_estimate(cfg, model_dir, cluster).fits)
-
-
-def local_fit(cfg: RunConfig, model_dir: Path, cluster: Any) -> RunConfig | None:
-    """Largest micro batch (accumulation compensating) that fits; checkpointing last."""
-    per_rank = cfg.micro_batch_size * cfg.grad_accum
-    micros = [m for m in range(cfg.micro_batch_size, 0, -1) if per_rank % m == 0]
-    for ckpt in ((False, True) if not cfg.grad_ckpt else (True,)):
-        for micro in micros:
-            cand = cfg.replace(micro_batch_size=micro, grad_accum=per_rank // micro,
-                               grad_ckpt=ckpt)
-            if _fits(cand, model_dir, cluster):
-                return cand
-    return None
-
-
 def best_fit(cfg: RunConfig, model_dir: Path, cluster: Any) -> RunConfig | None:
-    try:
-        from .. import planner
-    except ImportError:  # the planner has not landed: use the local search
-        planner = None
-    if planner is not None and hasattr(planner, "best_fit"):
-        return planner.best_fit(cfg.replace(model=str(model_dir)), cluster)
-    return local_fit(cfg, model_dir, cluster)
+    """The planner's fastest fitting configuration with the same effective batch."""
+    from ..planner import best_fit as planner_best_fit
+
+    fit = planner_best_fit(cfg.replace(model=str(model_dir)), cluster)
+    return None if fit is None else fit.model_copy(update={"model": cfg.model})
 
 
 def config_changes(old: RunConfig, new: RunConfig) -> dict[str, list[Any]]:
@@ -142,8 +122,8 @@ def explain(pre: Preflight) -> str:
             f"needs {fmt_bytes(est.device_peak_bytes)} of {fmt_bytes(est.gpu_memory_bytes)} "
             f"({parts}).")
     if pre.proposal is None:
-        return text + " No micro batch / checkpointing setting with the same effective batch " \
-                      "fits; run `oomless plan` for other methods, GPUs or sharding."
+        return text + " No setting with the same effective batch and training fits; run " \
+                      "`oomless plan` for other methods, GPUs or sharding."
     diff = ", ".join(f"{k}: {a} -> {b}" for k, a, b in
                      ((k, *v) for k, v in pre.changes.items()))
     return text + f" Best plan that fits (same effective batch): {diff}. " \
