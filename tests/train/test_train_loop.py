@@ -184,3 +184,16 @@ def test_docs_config_md_documents_every_key():
     missing = [k for k in keys(RunConfig) if f"`{k}`" not in text
                and k not in ("quantization", "lora", "hardware", "eval", "data", "training")]
     assert not missing
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_qlora_on_cuda_logs_gpu_memory_and_predicted_peak(run_config):
+    pytest.importorskip("bitsandbytes")
+    result = train(run_config(method="qlora", precision="bf16",
+                              **{"training.max_steps": 3, "training.memory_budget_gb": None}))
+    steps = read_steps(result.run_dir)
+    assert all(len(s["peak_bytes"]) == 1 and s["peak_bytes"][0] > 0 for s in steps)
+    assert all(s["allocated_bytes"][0] <= s["reserved_bytes"][0] for s in steps)
+    assert result.measured_peak_bytes > 0 and result.predicted_peak_bytes > 0
+    assert result.losses[-1] == result.losses[-1]
