@@ -72,12 +72,35 @@ def _linear_input(saved: _Saved, name: str, src: str, t: int, width: int, dt: Dt
         key = f"{src}.cast.{name}" if cast else src
         saved.add(key, dt.act_bytes * t * width)
     if name in plan.lora:
+        # PEFT casts the input to the adapter dtype (fp32 adapters under autocast),
+        # so autocast makes each LoRA module its own 16-bit copy to keep
+        # (peft/tuners/lora/layer.py Linear.forward, _cast_input_dtype).
+        own_copy = dt.autocast and dt.trainable_bytes != dt.act_bytes
         if plan.lora_dropout:
+            # CUDA native_dropout keeps a 1-byte mask; lora_A keeps the dropped copy.
             saved.add(f"{src}.dropmask.{name}", 1 * t * width)
             saved.add(f"{src}.dropped.{name}", dt.act_bytes * t * width)
         else:
-            saved.add(f"{src}.cast.{name}" if cast else src, dt.act_bytes * t * width)
+            key = f"{src}.lora_in.{name}" if own_copy else (f"{src}.cast.{name}" if cast else src)
+            saved.add(key, dt.act_bytes * t * width)
         saved.add(f"{name}.lora_a_out", dt.act_bytes * t * plan.lora_r)
+
+
+def _weight_casts(saved: _Saved, spec: ModelSpec, dt: Dtypes, plan: LayerPlan,
+                  moe_layer: bool) -> None:
+    """Autocast caches a 16-bit copy of every fp32 leaf weight it casts, and the
+    matmul keeps it for backward (torch/csrc/autograd autocast cache): with
+    fp32 trained weights (AMP full fine-tuning) one copy of each linear weight
+    of the layer; with fp32 LoRA adapters, one copy of the adapters."""
+    if not dt.autocast or dt.trainable_bytes == dt.act_bytes:
+        return
+    lins = spec.layer_linears(moe_layer)
+    if plan.trainable:
+        n = sum(lin.weight_params for lin in lins if lin.role != "router")
+    else:
+        n = sum(plan.lora_r * (lin.in_features + lin.out_features) * lin.count
+                for lin in lins if lin.name in plan.lora and lin.role not in ("expert", "router"))
+    saved.add("weight_casts", dt.act_bytes * n)
 
 
 def _attention(saved: _Saved, spec: ModelSpec, b: int, s: int, dt: Dtypes,
@@ -104,8 +127,11 @@ def _attention(saved: _Saved, spec: ModelSpec, b: int, s: int, dt: Dtypes,
         saved.add("attn.v", a * t * kv)
         saved.add("attn.out", a * t * q)
         saved.add("attn.lse", C.LSE_BYTES * b * nh * s)
-    # The output is transposed to (b, s, heads·dim) and made contiguous for o_proj.
-    _linear_input(saved, "o_proj", "attn.ctx", t, q, dt, plan, dt.act_bytes)
+    # The output goes to o_proj as (b, s, heads·dim): flash/SDPA kernels already
+    # return it in that memory layout, so .contiguous() is a no-op and o_proj
+    # keeps the same storage; eager's matmul output is transposed into a copy.
+    ctx = "attn.ctx" if plan.attn == "eager" else "attn.out"
+    _linear_input(saved, "o_proj", ctx, t, q, dt, plan, dt.act_bytes)
 
 
 def _mlp(saved: _Saved, spec: ModelSpec, tokens: int, width: int, dt: Dtypes,
@@ -137,6 +163,7 @@ def layer_activation_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: La
     saved = _Saved()
     t = b * s
     h = spec.hidden_size
+    _weight_casts(saved, spec, dt, plan, moe_layer)
     _norm(saved, "norm1", t, h, dt, plan, spec.norm_type)
     qkv = ["qkv_proj"] if spec.fused_qkv else ["q_proj", "k_proj", "v_proj"]
     nb = norm_out_bytes(dt, spec.norm_type)

@@ -51,11 +51,19 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
     n_moe = spec.num_moe_layers
     one_layer = max(dense, moe)
     t = b * s
-    # Shared by all layers: RoPE cos/sin (b, s, head_dim) in the activation dtype;
-    # the final norm's fp32 input; lm_head's input when lm_head is trained.
-    shared = 2 * dt.act_bytes * t * spec.head_dim + 4 * t * spec.hidden_size
+    # Shared by all layers: RoPE cos/sin (b, s, head_dim) in the residual
+    # stream's dtype; the final norm's fp32 input; lm_head's input (and its
+    # autocast weight copy) when lm_head is trained.
+    shared = 2 * dt.resid_bytes * t * spec.head_dim + 4 * t * spec.hidden_size
     if cfg.method == "full":
         shared += dt.act_bytes * t * spec.hidden_size
+        if dt.autocast and dt.trainable_bytes != dt.act_bytes:
+            shared += dt.act_bytes * spec.vocab_size * spec.hidden_size
+    elif not cfg.grad_ckpt:
+        # Frozen embeddings: nothing before the first adapter needs a gradient,
+        # so the first layer's input norm keeps nothing (with checkpointing HF
+        # makes the embedding output require grad, enable_input_require_grads).
+        shared -= 4 * t * spec.hidden_size + 4 * t * 2
     if cfg.attn == "eager":
         shared += dt.act_bytes * b * s * s  # additive causal mask (b, 1, s, s)
     if cfg.grad_ckpt:
