@@ -197,6 +197,7 @@ def decoder_spec(f: ConfigFields, name: str, model_type: str | None = None) -> M
         # dense MLP width; Mixtral: each expert's width
         intermediate_size=int(f.need("intermediate_size")),
         mlp_gated=not fam.get("plain_mlp", False),
+        hidden_act=str(f.get("hidden_act") or f.get("hidden_activation") or "silu"),
         fused_gate_up=fam.get("fused_gate_up", False),
         mlp_bias=all_bias or bool(f.get("mlp_bias", False)),
         norm_type=fam.get("norm", "rms"),

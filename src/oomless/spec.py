@@ -83,6 +83,7 @@ class ModelSpec:
     intermediate_size: int
     architecture: str | None = None
     mlp_gated: bool = True  # SwiGLU/GeGLU: gate, up, down; plain: up, down
+    hidden_act: str = "silu"  # HF ACT2FN name; gelu_new is a Python formula that keeps 4 tensors
     fused_qkv: bool = False  # one qkv matrix (ChatGLM query_key_value, Phi-3 qkv_proj)
     fused_gate_up: bool = False  # one gate+up matrix (ChatGLM dense_h_to_4h, Phi-3 gate_up_proj)
     qkv_bias: bool = False

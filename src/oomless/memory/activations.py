@@ -32,6 +32,13 @@ class LayerPlan:
     attn: str  # eager | sdpa | flash
 
 
+# Activations written as Python formulas keep their intermediates: HF
+# NewGELUActivation (gelu_new, GPT-2/Phi) = 0.5·x·(1 + tanh(√(2/π)(x + 0.044715x³)))
+# keeps x (pow), tanh's output, 1 + tanh and 0.5·x: three tensors more than a
+# fused GELU/SiLU kernel (transformers/activations.py).
+ACT_EXTRA_SAVED = {"gelu_new": 3, "gelu_fast": 3, "gelu_accurate": 3}
+
+
 class _Saved:
     """Saved tensors by identity: the same tensor saved twice counts once."""
 
@@ -152,6 +159,8 @@ def _mlp(saved: _Saved, spec: ModelSpec, tokens: int, width: int, dt: Dtypes,
         saved.add(f"{role}.up_out", a * tokens * width)  # kept by the product
     else:
         saved.add(f"{role}.up_out", a * tokens * width)  # kept by the activation
+        for i in range(ACT_EXTRA_SAVED.get(spec.hidden_act, 0)):
+            saved.add(f"{role}.act_tmp{i}", a * tokens * width)
     # down's input (the product, or the activation output) is kept only for
     # down's own weight gradient or its LoRA branch.
     _linear_input(saved, "down_proj", f"{role}.prod", tokens, width, dt, plan, a)
