@@ -51,16 +51,17 @@ def deepspeed_estimate(spec: ModelSpec, cfg: RunConfig, largest_layer_params: in
 
 def gpu_poor_estimate(spec: ModelSpec, cfg: RunConfig) -> int:
     """gpu_poor's training formula (bytes), as published (see module docstring)."""
-    h, L, I, a, V = (spec.hidden_size, spec.num_layers, spec.intermediate_size,
-                     spec.num_heads, spec.vocab_size)
+    # h hidden, L layers, ffn intermediate, a heads, V vocabulary
+    h, L, ffn, a, V = (spec.hidden_size, spec.num_layers, spec.intermediate_size,
+                       spec.num_heads, spec.vocab_size)
     s, b = cfg.seq_len, cfg.micro_batch_size
     fb = 4 if cfg.precision == "fp32" else 2
-    params = V * h * 2 + L * 4 * h * h + L * 3 * I * h
+    params = V * h * 2 + L * 4 * h * h + L * 3 * ffn * h
     weights = params * (0.5 if cfg.method == "qlora" else fb)
     attn = s * h * 5 * fb + s * s * a * (2 * fb + 4) + 3 * s * h * fb
-    ffn = 2 * h * s * fb + 6 * s * I * fb
+    mlp = 2 * h * s * fb + 6 * s * ffn * fb
     norm = s * 8 + s * h * fb * 6
-    acts = (attn + ffn + norm) * L * b * (0.15 if cfg.grad_ckpt else 1.0)
+    acts = (attn + mlp + norm) * L * b * (0.15 if cfg.grad_ckpt else 1.0)
     if cfg.method == "full":
         grad_opt = params * 3 * fb
     else:  # its LoRA/QLoRA states: layers × 8 × h × 2 × 4 × 3 (Adam)
