@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..allocator import ALLOC, AllocatorConfig, CachingAllocator, SimulatedOOM, downsample
+from .expand import Stream
 from .tracker import PAGED, StorageTracker, _rounded
 
 SKIP_PHASES = ("setup", "teardown")
@@ -35,16 +36,18 @@ class TraceStats:
     num_events: int
     notes: list[str] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)  # real tensors only
+    traced_layers: int = 0  # layers actually run (num_layers after expansion)
 
     @property
     def phase_peaks(self) -> dict[str, int]:
         return {p: sum(c.values()) for p, c in self.breakdown.items()}
 
 
-def analyze(tracker: StorageTracker, config: AllocatorConfig, *, num_layers: int,
-            param_count: int, trainable_params: int, timeline_points: int = 800) -> TraceStats:
+def analyze(stream: Stream, config: AllocatorConfig, *, num_layers: int, param_count: int,
+            trainable_params: int, timeline_points: int = 800,
+            module_peaks: dict[str, dict[str, int]] | None = None) -> TraceStats:
     alloc = CachingAllocator(config)
-    cats = {key: tracker.final_category(rec) for key, rec in tracker.records.items()}
+    cats = stream.category
     blocks: dict[int, Any] = {}
     cat_bytes: dict[str, int] = defaultdict(int)
     best: dict[str, tuple[int, dict[str, int]]] = {}
@@ -52,12 +55,12 @@ def analyze(tracker: StorageTracker, config: AllocatorConfig, *, num_layers: int
     live = paged = paged_peak = 0
     points: list[tuple[int, int, int]] = []
     oom: dict[str, int] | None = None
-    phase_names = [name for name, _ in tracker.phases]
-    for i, (kind, key, size) in enumerate(tracker.events):
+    phase_names = [name for name, _ in stream.phases]
+    for i, (kind, key, size) in enumerate(stream.events):
         cat = cats[key]
-        rec = tracker.records[key]
+        nbytes = stream.nbytes[key]
         if cat == PAGED:  # unified memory: outside the caching allocator
-            paged += rec.nbytes if kind == ALLOC else -rec.nbytes
+            paged += nbytes if kind == ALLOC else -nbytes
             paged_peak = max(paged_peak, paged)
             continue
         if kind == ALLOC:
@@ -76,8 +79,8 @@ def analyze(tracker: StorageTracker, config: AllocatorConfig, *, num_layers: int
                 continue
             cat_bytes[cat] -= block.size
             alloc.free(block)
-            live -= _rounded(rec.nbytes)
-        phase = phase_names[tracker.event_phase[i]]
+            live -= _rounded(nbytes)
+        phase = phase_names[stream.event_phase[i]]
         if phase not in SKIP_PHASES:
             top = best.get(phase)
             if top is None or alloc.allocated_bytes > top[0]:
@@ -103,19 +106,19 @@ def analyze(tracker: StorageTracker, config: AllocatorConfig, *, num_layers: int
         peak_reserved_bytes=alloc.peak_reserved_bytes,
         paged_bytes=paged_peak,
         allocator=allocator,
-        timeline=_timeline(tracker, points, timeline_points),
-        module_peaks=_module_peaks(tracker),
-        num_events=len(tracker.events),
+        timeline=_timeline(stream, points, timeline_points),
+        module_peaks=module_peaks or {},
+        num_events=len(stream.events),
     )
 
 
-def _timeline(tracker: StorageTracker, points: list[tuple[int, int, int]],
+def _timeline(stream: Stream, points: list[tuple[int, int, int]],
               n_points: int) -> dict[str, Any]:
     phases = []
     last = -1
-    for i, idx in enumerate(tracker.event_phase):
+    for i, idx in enumerate(stream.event_phase):
         if idx != last:
-            name, iteration = tracker.phases[idx]
+            name, iteration = stream.phases[idx]
             if name not in SKIP_PHASES:
                 phases.append({"event": i, "phase": name, "iteration": iteration})
             last = idx
@@ -133,7 +136,7 @@ def display_name(name: str) -> str:
     return name.removeprefix(PEFT_PREFIX)
 
 
-def _module_peaks(tracker: StorageTracker) -> dict[str, dict[str, int]]:
+def module_peaks(tracker: StorageTracker) -> dict[str, dict[str, int]]:
     """Highest live tensor bytes while each module ran (forward / backward);
     modules down to a layer's attention and MLP, adapter internals left out."""
     out = {}
@@ -150,12 +153,12 @@ def _module_peaks(tracker: StorageTracker) -> dict[str, dict[str, int]]:
 
 
 def extrapolate(a: TraceStats, b: TraceStats, layers: int) -> dict[str, Any]:
-    """Numbers for ``layers`` layers from traces with ``a.num_layers`` < ``b.num_layers``:
+    """Numbers for ``layers`` layers from traces of ``a.traced_layers`` < ``b.traced_layers``:
     every quantity is affine in the number of repeated layers."""
-    span = b.num_layers - a.num_layers
+    span = b.traced_layers - a.traced_layers
 
     def f(va: float, vb: float) -> int:
-        return max(0, round(vb + (vb - va) * (layers - b.num_layers) / span))
+        return max(0, round(vb + (vb - va) * (layers - b.traced_layers) / span))
 
     breakdown = {}
     for phase in b.breakdown:

@@ -62,11 +62,13 @@ def measure_cpu_stats(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluste
     """TraceStats of real CPU tensors: same build, step, emulation and analysis as a trace."""
     import torch
 
-    from .analysis import analyze
+    from .analysis import analyze, module_peaks
     from .build import build_model
     from .cuda_emulation import CudaEmulation
+    from .expand import stream_of
     from .step import make_batch
-    from .trace import _wants_eval, run_tracked
+    from .trace import _wants_eval
+    from .tracked import run_tracked
 
     torch.manual_seed(cfg.training.seed)
     built = build_model(hf_config, cfg, mode="real", device="cpu")
@@ -80,11 +82,12 @@ def measure_cpu_stats(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluste
     from .trace import _cublas_bytes
 
     tracker = run_tracked(built.model, cfg, batch, eval_batch, device_type="cpu",
-                          emulation=CudaEmulation(cublas_bytes=_cublas_bytes(cluster)),
-                          iterations=steps)
-    stats = analyze(tracker, AllocatorConfig.from_conf(alloc_conf),
+                          num_layers=built.num_layers, iterations=steps,
+                          emulation=CudaEmulation(cublas_bytes=_cublas_bytes(cluster)))
+    stats = analyze(stream_of(tracker), AllocatorConfig.from_conf(alloc_conf),
                     num_layers=built.num_layers, param_count=built.param_count,
-                    trainable_params=built.trainable_params)
+                    trainable_params=built.trainable_params, module_peaks=module_peaks(tracker))
+    stats.traced_layers = built.num_layers
     stats.losses = [float(x) for x in tracker.losses]
     return stats
 
@@ -108,7 +111,7 @@ def _measure_cpu(resolved: Any, cfg: RunConfig, cluster: Cluster | None, steps: 
         trainable_params=stats.trainable_params, peak_phase=peak_phase,
         peak_allocated_bytes=totals[peak_phase], peak_reserved_bytes=reserved,
         device_peak_bytes=reserved + sum(non_pt.values()), breakdown=stats.breakdown,
-        non_pytorch_bytes=non_pt, assumptions=tuple(notes + _assumptions(cfg, [stats], 0)),
+        non_pytorch_bytes=non_pt, assumptions=tuple(notes + _assumptions(cfg, [stats], None)),
         config=cfg.to_dict(), gpu=cluster.gpu.name if cluster else None,
         gpu_memory_bytes=cluster.gpu.memory_bytes if cluster else None,
         extra={"device": "cpu", "per_module_peak": stats.module_peaks,

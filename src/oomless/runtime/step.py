@@ -87,10 +87,11 @@ def training_forward(model: torch.nn.Module, cfg: RunConfig) -> Callable[..., An
 def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Tensor], *,
               device_type: str, iterations: int = 2,
               on_phase: Callable[[str, int], None] = _noop,
-              on_grads: Callable[[list[torch.Tensor]], None] | None = None,
-              on_states: Callable[[list[torch.Tensor]], None] | None = None,
+              on_grads: Callable[[list[torch.nn.Parameter]], None] | None = None,
+              on_states: Callable[[Any], None] | None = None,
               eval_batch: dict[str, torch.Tensor] | None = None) -> list[float]:
-    """``iterations`` optimizer steps (each one micro batch); returns the losses."""
+    """``iterations`` optimizer steps; returns the losses. ``on_grads`` gets the trained
+    parameters after backward, ``on_states`` the optimizer after its step."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, device_type)
     scaler = torch.amp.GradScaler(device_type) if cfg.precision == "fp16" else None
@@ -103,11 +104,11 @@ def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Ten
         for _ in range(micro_batches):
             losses.append(_micro_step(forward, batch, cfg, device_type, scaler, on_phase, it))
         if on_grads:
-            on_grads([p.grad for p in params if p.grad is not None])
+            on_grads(params)
         on_phase("optimizer", it)
         _optimizer_step(optimizer, params, cfg, scaler)
         if on_states:
-            on_states(optimizer_state_tensors(optimizer))
+            on_states(optimizer)
         optimizer.zero_grad(set_to_none=True)
     if eval_batch is not None:
         on_phase("evaluation", iterations)

@@ -8,10 +8,14 @@ CUDA-only kernel buffers emulated (runtime/cuda_emulation.py); the alloc/free
 stream is replayed through the caching-allocator simulation
 (oomless/allocator.py). No weights, no GPU.
 
-Large models: the decoder layers repeat, so every byte count is affine in the
-number of layers. Models with more than ``FULL_TRACE_MAX_LAYERS`` layers are
-traced at two small layer counts one pattern period apart and extrapolated
-(tests/runtime/test_trace.py checks this against a full trace).
+Large models: decoder layers repeat. A model with more than
+``FULL_TRACE_MAX_LAYERS`` layers is traced with three blocks of its layer
+pattern (prefix + 3·period layers) and the alloc/free stream of the full
+depth is written from it (runtime/expand.py), so the allocator simulation
+replays the whole model. Where the layers do not repeat cleanly, two shallow
+traces are extrapolated linearly instead (exact for allocated bytes, an
+approximation for reserved ones). tests/runtime/test_trace.py checks both
+against full traces.
 """
 
 from __future__ import annotations
@@ -24,37 +28,61 @@ from ..allocator import AllocatorConfig
 from ..config import RunConfig
 from ..hardware import Cluster
 from ..result import MemoryEstimate
-from .analysis import TraceStats, analyze, extrapolate
+from .analysis import TraceStats, analyze, extrapolate, module_peaks
 from .build import TraceUnsupported, build_model, num_layers_of, transformers_config
-from .tracker import ADAPTERS, INPUTS, LOGITS, OPTIMIZER, PAGED, WEIGHTS, ModuleStack
+from .expand import ExpansionError, expand, stream_of
+from .tracked import TraceFailed, layer_index, run_tracked
 
 FULL_TRACE_MAX_LAYERS = 4
 MAX_PATTERN_PERIOD = 8
 
 
-class TraceFailed(Exception):
-    """The model's own code failed under the trace; ``module`` names where."""
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """How to trace ``total`` decoder layers: all, or ``prefix + 3·period`` expanded."""
 
-    def __init__(self, module: str, error: BaseException):
-        super().__init__(f"{type(error).__name__}: {error}")
-        self.module = module
+    total: int
+    prefix: int = 0
+    period: int = 1
+    full: bool = True
+
+    @property
+    def traced(self) -> int:
+        return self.total if self.full else self.prefix + 3 * self.period
+
+    @property
+    def copies(self) -> int:
+        """Template blocks in the full model."""
+        return (self.total - self.prefix) // self.period - 2
+
+    def block(self, i: int) -> set[int]:
+        start = self.prefix + i * self.period
+        return set(range(start, start + self.period))
+
+    def linear_counts(self) -> list[int]:
+        """Layer counts for the linear fallback: two, one period apart."""
+        return [self.prefix + self.period, self.prefix + 2 * self.period]
 
 
-def layer_counts(hf_config: dict[str, Any], full: bool = False) -> list[int]:
-    """Layer counts to trace: all of them, or two one pattern period apart."""
+def plan_layers(hf_config: dict[str, Any], full: bool = False) -> LayerPlan:
     total = num_layers_of(hf_config)
     if full or total <= FULL_TRACE_MAX_LAYERS:
-        return [total]
+        return LayerPlan(total)
     config = transformers_config(hf_config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     prefix = int(getattr(text, "first_k_dense_replace", 0) or 0)
     period = _pattern_period(list(getattr(text, "layer_types", None) or []), prefix)
-    sparse_step = int(getattr(text, "decoder_sparse_step", 1) or 1)
-    period = _lcm(period, sparse_step)
-    if getattr(text, "mlp_only_layers", None) or period > MAX_PATTERN_PERIOD:
-        return [total]  # no repeating pattern to extrapolate from
-    small = [prefix + period, prefix + 2 * period]
-    return [total] if small[1] >= total else small
+    period = _lcm(period, int(getattr(text, "decoder_sparse_step", 1) or 1))
+    regular = not getattr(text, "mlp_only_layers", None) and period <= MAX_PATTERN_PERIOD
+    if not regular or (total - prefix) % period or prefix + 3 * period >= total:
+        return LayerPlan(total)  # no clean repetition: trace every layer
+    return LayerPlan(total, prefix, period, full=False)
+
+
+def layer_counts(hf_config: dict[str, Any], full: bool = False) -> list[int]:
+    """Layer counts the linear fallback traces (or all layers)."""
+    plan = plan_layers(hf_config, full)
+    return [plan.total] if plan.full else plan.linear_counts()
 
 
 def _lcm(a: int, b: int) -> int:
@@ -88,17 +116,21 @@ def trace_training(cfg: RunConfig, cluster: Cluster | None = None, *, resolved: 
     try:
         from ..memory.training import llm_seq_len
 
-        counts = layer_counts(resolved.hf_config, full)
+        plan = plan_layers(resolved.hf_config, full)
         seq = llm_seq_len(spec, cfg)  # image tokens join the text (vision tower not run)
-        runs = [trace_once(resolved.hf_config, cfg, cluster, n, alloc_config, timeline_points,
-                           seq_len=seq) for n in counts]
+        runs = [trace_once(resolved.hf_config, cfg, cluster, plan, alloc_config,
+                           timeline_points, seq_len=seq)]
     except TraceUnsupported as err:
         return analytic_fallback(spec, cfg, cluster, str(err), alloc_config)
     except TraceFailed as err:
         return analytic_fallback(spec, cfg, cluster, f"the trace failed in module "
                                  f"'{err.module or '(outside any module)'}': {err}", alloc_config)
-    return _estimate(spec, cfg, cluster, runs, num_layers_of(resolved.hf_config),
-                     time.perf_counter() - started)
+    except ExpansionError as err:  # layers that do not repeat cleanly: extrapolate
+        runs = [trace_once(resolved.hf_config, cfg, cluster, LayerPlan(n), alloc_config,
+                           timeline_points, seq_len=seq) for n in plan.linear_counts()]
+        runs[-1].notes.append(f"layer expansion not possible ({err}): allocated bytes "
+                              "extrapolated linearly (exact), reserved bytes approximately")
+    return _estimate(spec, cfg, cluster, runs, plan, time.perf_counter() - started)
 
 
 def analytic_fallback(spec: Any, cfg: RunConfig, cluster: Cluster | None, reason: str,
@@ -120,14 +152,15 @@ def _cublas_bytes(cluster: Cluster | None) -> int:
 
 
 def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | None,
-               num_layers: int, alloc_config: AllocatorConfig, timeline_points: int = 800,
-               seq_len: int | None = None) -> TraceStats:
-    """Build the model with ``num_layers`` layers, run the steps, analyse the stream."""
+               plan: LayerPlan | int, alloc_config: AllocatorConfig,
+               timeline_points: int = 800, seq_len: int | None = None) -> TraceStats:
+    """Trace ``plan.traced`` layers and analyse the stream of ``plan.total`` layers."""
     from .build import fake_mode
     from .cuda_emulation import CudaEmulation
     from .step import make_batch
 
-    built = build_model(hf_config, cfg, mode="fake", num_layers=num_layers)
+    plan = LayerPlan(plan) if isinstance(plan, int) else plan
+    built = build_model(hf_config, cfg, mode="fake", num_layers=plan.traced)
     model = built.model
     fake = fake_mode()
     seq = seq_len or cfg.seq_len
@@ -135,12 +168,36 @@ def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | Non
         batch = make_batch(model, cfg.micro_batch_size, seq, "cpu")
         eval_batch = make_batch(model, cfg.eval_batch_size, seq, "cpu") if _wants_eval(cfg) else None
     tracker = run_tracked(model, cfg, batch, eval_batch, device_type="cpu", fake=fake,
+                          num_layers=plan.traced,
                           emulation=CudaEmulation(cublas_bytes=_cublas_bytes(cluster)))
-    stats = analyze(tracker, alloc_config, num_layers=built.num_layers,
-                    param_count=built.param_count, trainable_params=built.trainable_params,
-                    timeline_points=timeline_points)
+    params, trainable = built.param_count, built.trainable_params
+    if plan.full:
+        stream = stream_of(tracker)
+    else:
+        stream = expand(tracker, plan.block(1), plan.block(0), plan.block(2), plan.copies)
+        extra_params, extra_trainable = _block_params(model, plan.traced, plan.block(1))
+        params += (plan.copies - 1) * extra_params
+        trainable += (plan.copies - 1) * extra_trainable
+    stats = analyze(stream, alloc_config, num_layers=plan.total, param_count=params,
+                    trainable_params=trainable, timeline_points=timeline_points,
+                    module_peaks=module_peaks(tracker))
+    stats.traced_layers = plan.traced
     stats.notes.extend(built.notes)
     return stats
+
+
+def _block_params(model: Any, num_layers: int, block: set[int]) -> tuple[int, int]:
+    """Parameters (and trainable ones) of the decoder layers in ``block``."""
+    from .build import _numel
+    from .tracked import decoder_layers_name
+
+    name = decoder_layers_name(model, num_layers)
+    total = trainable = 0
+    for pname, p in model.named_parameters():
+        if layer_index(pname, name) in block:
+            total += _numel(p)
+            trainable += p.numel() if p.requires_grad else 0
+    return total, trainable
 
 
 def _wants_eval(cfg: RunConfig) -> bool:
@@ -148,86 +205,7 @@ def _wants_eval(cfg: RunConfig) -> bool:
     return bool(cfg.eval.batch_size or cfg.eval.steps or cfg.eval.predict_with_generate)
 
 
-def register_model(tracker: Any, model: Any, cfg: RunConfig, batches: list[Any]) -> None:
-    """Weights, adapters, quantization states and inputs exist before the step."""
-    lora = cfg.method in ("lora", "qlora")
-    for p in model.parameters():
-        tracker.track(p, "parameter", ADAPTERS if (lora and p.requires_grad) else WEIGHTS)
-        state = getattr(p, "quant_state", None)
-        if state is not None:
-            for t in _quant_state_tensors(state):
-                tracker.track(t, "quant_state", WEIGHTS)
-    for b in model.buffers():
-        tracker.track(b, "buffer", WEIGHTS)
-    for batch in batches:
-        for t in (batch or {}).values():
-            tracker.track(t, "input", INPUTS)
-
-
-def _quant_state_tensors(state: Any) -> list[Any]:
-    import torch
-
-    out = [v for v in vars(state).values() if isinstance(v, torch.Tensor)]
-    inner = getattr(state, "state2", None)
-    if inner is not None:
-        out += [v for v in vars(inner).values() if isinstance(v, torch.Tensor)]
-    return out
-
-
-def _output_embedding_name(model: Any) -> str | None:
-    head = model.get_output_embeddings()
-    for name, module in model.named_modules():
-        if module is head:
-            return name
-    return None
-
-
-def run_tracked(model: Any, cfg: RunConfig, batch: dict, eval_batch: dict | None, *,
-                device_type: str, fake: Any = None, emulation: Any = None,
-                iterations: int = 2) -> Any:
-    """Run the training steps under a StorageTracker and return it."""
-    import contextlib
-
-    from .step import run_steps
-    from .tracker import GRADIENTS, StorageTracker
-
-    tracker = StorageTracker(emulation=emulation)
-    register_model(tracker, model, cfg, [batch, eval_batch])
-    head = _output_embedding_name(model)
-
-    def on_enter(name: str, backward: bool) -> None:
-        if name == head and not backward:
-            tracker.region = LOGITS
-
-    def on_exit(name: str, backward: bool) -> None:
-        if name == head and backward:
-            tracker.region = None
-
-    def on_phase(name: str, iteration: int) -> None:
-        tracker.start_phase(name, iteration)
-        tracker.region = LOGITS if (name == "backward" and head) else None
-
-    states = PAGED if cfg.optimizer.startswith("paged") else OPTIMIZER
-    modules = ModuleStack(model, on_enter, on_exit)
-    tracker.modules = modules
-    try:
-        with fake if fake is not None else contextlib.nullcontext(), tracker, modules:
-            tracker.losses = run_steps(
-                model, cfg, batch, device_type=device_type, iterations=iterations,
-                on_phase=on_phase, on_grads=lambda g: tracker.categorize(g, GRADIENTS),
-                on_states=lambda s: tracker.categorize(s, states), eval_batch=eval_batch)
-    except NotImplementedError as err:
-        raise TraceUnsupported(str(err)) from None
-    except Exception as err:  # the model's own code failed: say where, fall back
-        where = modules.failed_in or ""
-        raise TraceFailed(where.removeprefix("base_model.model."), err) from err
-    finally:
-        tracker.start_phase("teardown", 0)
-        tracker.modules = None
-    return tracker
-
-
-def _assumptions(cfg: RunConfig, runs: list[TraceStats], layers: int) -> list[str]:
+def _assumptions(cfg: RunConfig, runs: list[TraceStats], plan: LayerPlan | None) -> list[str]:
     out = [
         "trace: the real transformers/PEFT/bitsandbytes modules run two HF-Trainer steps "
         "(forward under autocast with accelerate's fp32 output conversion, backward, "
@@ -241,11 +219,16 @@ def _assumptions(cfg: RunConfig, runs: list[TraceStats], layers: int) -> list[st
         "reserved memory from replaying the alloc/free stream through a simulation of "
         "PyTorch's CUDA caching allocator (one stream)",
     ]
-    if len(runs) == 2:
+    if len(runs) == 2 and plan is not None:
         out.append(
-            f"traced {runs[0].num_layers} and {runs[1].num_layers} decoder layers and "
-            f"extrapolated linearly to {layers}; per-module peaks and the timeline are those "
-            f"of the {runs[1].num_layers}-layer trace")
+            f"traced {runs[0].traced_layers} and {runs[1].traced_layers} decoder layers and "
+            f"extrapolated linearly to {plan.total}; per-module peaks and the timeline are "
+            f"those of the {runs[1].traced_layers}-layer trace")
+    elif plan is not None and not plan.full:
+        out.append(
+            f"traced {plan.traced} decoder layers and wrote the alloc/free stream of all "
+            f"{plan.total} by repeating the middle {plan.period}-layer block; per-module "
+            f"peaks are those of the {plan.traced}-layer trace")
     if cfg.world_size > 1:
         out.append("data parallel without ZeRO: DDP gradient buckets as large as the "
                    "gradients are added to every phase (not traced)")
@@ -288,12 +271,12 @@ def _analytic_generation(spec: Any, cfg: RunConfig, cluster: Cluster | None,
 
 
 def _estimate(spec: Any, cfg: RunConfig, cluster: Cluster | None, runs: list[TraceStats],
-              layers: int, seconds: float) -> MemoryEstimate:
+              plan: LayerPlan, seconds: float) -> MemoryEstimate:
     from ..memory.overheads import non_pytorch_bytes
 
     last = runs[-1]
     if len(runs) == 2:
-        nums = extrapolate(runs[0], runs[1], layers)
+        nums = extrapolate(runs[0], runs[1], plan.total)
     else:
         nums = {"breakdown": last.breakdown, "tensor_peaks": last.tensor_peaks,
                 "peak_reserved_bytes": last.peak_reserved_bytes, "paged_bytes": last.paged_bytes,
@@ -317,7 +300,7 @@ def _estimate(spec: Any, cfg: RunConfig, cluster: Cluster | None, runs: list[Tra
         "per_module_peak": last.module_peaks,
         "timeline": last.timeline,
         "allocator": last.allocator,
-        "layers_traced": [r.num_layers for r in runs],
+        "layers_traced": [r.traced_layers for r in runs],
         "tensor_peaks": nums["tensor_peaks"],
         "trace_seconds": round(seconds, 2),
         "events": sum(r.num_events for r in runs),
@@ -329,7 +312,7 @@ def _estimate(spec: Any, cfg: RunConfig, cluster: Cluster | None, runs: list[Tra
         trainable_params=nums["trainable_params"], peak_phase=peak_phase,
         peak_allocated_bytes=peak_alloc, peak_reserved_bytes=reserved,
         device_peak_bytes=reserved + sum(non_pt.values()), breakdown=breakdown,
-        non_pytorch_bytes=non_pt, assumptions=tuple(_assumptions(cfg, runs, layers)),
+        non_pytorch_bytes=non_pt, assumptions=tuple(_assumptions(cfg, runs, plan)),
         config=cfg.to_dict(), gpu=cluster.gpu.name if cluster else None,
         gpu_memory_bytes=cluster.gpu.memory_bytes if cluster else None, extra=extra,
     )

@@ -48,7 +48,7 @@ class StorageRecord:
     """One storage's life: size, when and where it was born, when it died."""
 
     __slots__ = ("key", "nbytes", "phase_idx", "module", "region", "category", "op",
-                 "free_phase_idx", "ref")
+                 "free_phase_idx", "ref", "owner", "grows")
 
     def __init__(self, key: int, nbytes: int, phase_idx: int, module: str, region: str | None,
                  op: str, category: str | None = None):
@@ -61,6 +61,10 @@ class StorageRecord:
         self.category = category
         self.free_phase_idx: int | None = None
         self.ref: Any = None
+        self.owner = -1  # decoder layer the storage belongs to, -1: none
+        # an op over a list of per-layer tensors (torch.stack of gradient norms): the
+        # (owner, bytes) of its inputs, so that a deeper model's copy can be sized
+        self.grows: list[tuple[int, int]] | None = None
 
 
 class ModuleStack:
@@ -75,13 +79,28 @@ class ModuleStack:
     def __init__(self, root: torch.nn.Module, on_enter: Callable[[str, bool], None] | None = None,
                  on_exit: Callable[[str, bool], None] | None = None):
         self.names = {id(m): name for name, m in root.named_modules() if name}
+        self.layer_of: dict[str, int] = {}  # module name → decoder layer index
+        self.segment_layer = -1  # the decoder layer whose stretch of the step this is
         self.active: list[str] = []
         self.failed_in: str | None = None  # innermost module running when an error left
         self._on_enter, self._on_exit = on_enter, on_exit
         self._handles: list[Any] = []
         self._grad_handles: list[Any] = []
 
+    def set_layers(self, layers_name: str, count: int) -> None:
+        """Name the decoder layers: ``layers_name`` is their ModuleList."""
+        for name in self.names.values():
+            rest = name.removeprefix(layers_name + ".")
+            if rest != name:
+                index = rest.split(".", 1)[0]
+                if index.isdigit() and int(index) < count:
+                    self.layer_of[name] = int(index)
+
     def _enter(self, name: str, backward: bool) -> None:
+        # a layer's stretch runs from its entry (forward, backward or recomputation)
+        # until another module outside it is entered: it includes what happens between
+        # layers, such as freeing the previous layer's output
+        self.segment_layer = self.layer_of.get(name, -1)
         self.active.append(name)
         if self._on_enter:
             self._on_enter(name, backward)
@@ -120,6 +139,7 @@ class ModuleStack:
     def reset(self) -> None:
         """Forget modules left open (a backward ends with its last module's inputs)."""
         self.active.clear()
+        self.segment_layer = -1
 
     def __enter__(self) -> ModuleStack:
         self._handles = [register_module_forward_pre_hook(self._pre),
@@ -152,6 +172,7 @@ class StorageTracker(TorchDispatchMode):
         super().__init__()
         self.events: list[tuple[str, int, int]] = []
         self.event_phase: list[int] = []
+        self.event_owner: list[int] = []  # decoder layer running at each event, -1: none
         self.records: dict[int, StorageRecord] = {}
         self.phases: list[tuple[str, int]] = [("setup", 0)]
         self.region: str | None = None
@@ -184,8 +205,10 @@ class StorageTracker(TorchDispatchMode):
         module = self.modules.active[-1] if self.modules and self.modules.active else ""
         rec = StorageRecord(key, nbytes, self.phase_idx, module, self.region, op, category)
         self.records[key] = rec
+        rec.owner = self._owner()
         self.events.append((ALLOC, key, nbytes))
         self.event_phase.append(self.phase_idx)
+        self.event_owner.append(rec.owner)
         self.live_bytes += _rounded(nbytes)
         if self.modules is not None and self.modules.active:
             slot = 1 if self.phase == "backward" else 0
@@ -201,7 +224,11 @@ class StorageTracker(TorchDispatchMode):
         rec.ref = None
         self.events.append((FREE, key, 0))
         self.event_phase.append(self.phase_idx)
+        self.event_owner.append(self._owner())
         self.live_bytes -= _rounded(rec.nbytes)
+
+    def _owner(self) -> int:
+        return self.modules.segment_layer if self.modules is not None else -1
 
     def _on_storage_death(self, sid: int) -> None:
         key = self._by_storage.pop(sid, None)
@@ -239,6 +266,13 @@ class StorageTracker(TorchDispatchMode):
             if key is not None:
                 self.records[key].category = category
 
+    def set_owner(self, tensors: Iterable[torch.Tensor], layer: int) -> None:
+        """Attribute storages to a decoder layer (its weights, gradients, states)."""
+        for t in tensors:
+            key = self._by_storage.get(id(t.untyped_storage()))
+            if key is not None:
+                self.records[key].owner = layer
+
     def phantom_alloc(self, nbytes: int, op: str, category: str | None = None) -> int:
         """An allocation no tensor here stands for (a CUDA kernel's internal buffer)."""
         return self._new_record(nbytes, op, category).key
@@ -254,12 +288,41 @@ class StorageTracker(TorchDispatchMode):
         temps = self.emulation.before(self, func, args, kwargs) if self.emulation else ()
         out = func(*args, **kwargs)
         name = func.__name__
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.track(t, name)
+        keys = [self.track(t, name) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if keys and self.phase == "optimizer":
+            self._inherit_owner(args, keys)
         for key in temps:
             self.phantom_free(key)
         return out
+
+    def _inherit_owner(self, args: tuple, out_keys: list[int]) -> None:
+        """Per-parameter temporaries of the optimizer phase (gradient norms) belong to
+        their parameter's layer: outputs of an op on one layer's tensors, or the i-th
+        output of a foreach op on the i-th input."""
+        inputs = next((a for a in args if isinstance(a, (list, tuple))
+                       and len(a) == len(out_keys)), None) if len(out_keys) > 1 else None
+        if inputs is None:
+            owners = {self._owner_of(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+            if len(owners) == 1 and -1 not in owners:
+                layer = owners.pop()
+                for key in out_keys:
+                    self.records[key].owner = layer
+            elif len(out_keys) == 1:
+                self._record_growth(args, out_keys[0])
+            return
+        for t, key in zip(inputs, out_keys, strict=True):
+            if isinstance(t, torch.Tensor):
+                self.records[key].owner = self._owner_of(t)
+
+    def _record_growth(self, args: tuple, out_key: int) -> None:
+        lists = [a for a in args if isinstance(a, (list, tuple))
+                 and a and all(isinstance(t, torch.Tensor) for t in a)]
+        if lists:
+            self.records[out_key].grows = [(self._owner_of(t), t.nbytes) for t in lists[0]]
+
+    def _owner_of(self, t: torch.Tensor) -> int:
+        key = self._by_storage.get(id(t.untyped_storage()))
+        return self.records[key].owner if key is not None else -1
 
     # ---- results ---------------------------------------------------------------------
     def final_category(self, rec: StorageRecord) -> str:
