@@ -1,0 +1,134 @@
+"""Ground truth on a real GPU: predicted (analytic and trace) vs measured memory.
+
+Run on a machine with an NVIDIA GPU:
+    .venv/bin/python benchmarks/gpu_validate.py [--rows N] [--gpu NAME]
+Each configuration runs `oomless measure --device cuda --json` in its own
+process (a fresh CUDA context, an empty caching allocator), which reports
+torch.cuda.max_memory_allocated / max_memory_reserved and the device memory
+NVML shows. Predictions are made here for the same GPU. Writes
+benchmarks/results/gpu_validate.json and gpu_validate.md with the date and
+the GPU's name. Goal: median |error| ≤ 2%, worst ≤ 5%, and never more than 3%
+under the measured device peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from oomless.catalog import resolve_model  # noqa: E402
+from oomless.config import RunConfig  # noqa: E402
+from oomless.hardware import Cluster, get_gpu  # noqa: E402
+from oomless.memory import estimate_training  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+MEASURES = ("peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes")
+
+# A subset of benchmarks/accuracy.py's matrix that fits an 80 GB GPU.
+ROWS = [
+    {"model": "qwen2.5-0.5b-instruct", "method": "lora", "micro_batch_size": 1, "seq_len": 2048},
+    {"model": "qwen2.5-0.5b-instruct", "method": "full", "micro_batch_size": 4, "seq_len": 512},
+    {"model": "qwen2.5-0.5b-instruct", "method": "lora", "micro_batch_size": 4, "seq_len": 512,
+     "attn": "eager"},
+    {"model": "qwen2.5-0.5b-instruct", "method": "qlora", "micro_batch_size": 8, "seq_len": 256},
+    {"model": "llama-3.2-1b-instruct", "method": "lora", "micro_batch_size": 2, "seq_len": 2048,
+     "grad_ckpt": True},
+    {"model": "llama-3.2-1b-instruct", "method": "full", "micro_batch_size": 1, "seq_len": 2048},
+    {"model": "phi-2", "method": "lora", "micro_batch_size": 1, "seq_len": 2048},
+    {"model": "qwen2.5-7b-instruct", "method": "lora", "micro_batch_size": 1, "seq_len": 2048},
+    {"model": "qwen2.5-7b-instruct", "method": "qlora", "micro_batch_size": 4, "seq_len": 2048,
+     "grad_ckpt": True},
+    {"model": "qwen2.5-7b-instruct", "method": "lora", "micro_batch_size": 2, "seq_len": 4096,
+     "grad_ckpt": True},
+]
+
+
+def gpu_name() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("gpu_validate.py needs an NVIDIA GPU (torch.cuda.is_available() is False); "
+                 "run it on a GPU machine")
+    return torch.cuda.get_device_name(0)
+
+
+def measure(row: dict, gpu: str, timeout_s: int) -> dict:
+    exe = Path(sys.executable).with_name("oomless")
+    argv = [str(exe), "measure", row["model"], "--device", "cuda", "--json", "--gpu", gpu,
+            "--method", row["method"], "--batch-size", str(row["micro_batch_size"]),
+            "--seq-len", str(row["seq_len"]), "--attn", row.get("attn", "sdpa")]
+    if row.get("grad_ckpt"):
+        argv.append("--grad-ckpt")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1][:300]}
+    return json.loads(proc.stdout)
+
+
+def predict(row: dict, gpu: str, with_trace: bool) -> dict:
+    cfg = RunConfig.model_validate({**row, "hardware": {"gpu": gpu}})
+    resolved = resolve_model(cfg.model)
+    cluster = Cluster(get_gpu(gpu))
+    out = {"analytic": estimate_training(resolved.spec, cfg, cluster).to_dict()}
+    if with_trace:
+        from oomless.runtime.trace import trace_training
+
+        out["trace"] = trace_training(cfg, cluster, resolved=resolved).to_dict()
+    return out
+
+
+def errors(pred: dict, meas: dict) -> dict:
+    return {k: (pred[k] - meas[k]) / meas[k] for k in MEASURES if meas.get(k)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=len(ROWS))
+    ap.add_argument("--gpu", default="h100-sxm", help="catalog GPU to predict for")
+    ap.add_argument("--no-trace", action="store_true")
+    ap.add_argument("--timeout", type=int, default=300)
+    args = ap.parse_args()
+    device = gpu_name()
+    rows = []
+    for row in ROWS[: args.rows]:
+        measured = measure(row, args.gpu, args.timeout)
+        pred = predict(row, args.gpu, not args.no_trace)
+        rec = {"config": row, "measured": measured}
+        if "error" not in measured:
+            for name, est in pred.items():
+                rec[f"{name}_predicted"] = {k: est[k] for k in MEASURES}
+                rec[f"{name}_error"] = errors(est, measured)
+        rows.append(rec)
+        print(json.dumps({"config": row, **{k: v for k, v in rec.items() if k.endswith("error")}}),
+              flush=True)
+    result = {"date": date.today().isoformat(), "gpu": device, "catalog_gpu": args.gpu,
+              "rows": rows, "summary": summarise(rows)}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "gpu_validate.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["summary"], indent=1))
+
+
+def summarise(rows: list[dict]) -> dict:
+    out = {}
+    for name in ("analytic", "trace"):
+        for k in MEASURES:
+            errs = [r[f"{name}_error"][k] for r in rows if f"{name}_error" in r
+                    and k in r[f"{name}_error"]]
+            if errs:
+                out[f"{name}.{k}"] = {"rows": len(errs),
+                                      "median_abs": statistics.median(map(abs, errs)),
+                                      "max_abs": max(map(abs, errs)),
+                                      "worst_under": min(errs)}
+    return out
+
+
+if __name__ == "__main__":
+    main()
