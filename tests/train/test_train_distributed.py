@@ -15,11 +15,11 @@ from oomless.runtime.memlog import read_events, read_steps
 from oomless.runtime.train import train
 
 
-def _torchrun(cfg_path, nproc=2):
+def _torchrun(cfg_path, nproc=2, extra=()):
     env = {**os.environ, "OOMLESS_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", "-m", "oomless", "train", str(cfg_path), "--no-progress"]
+           f"--nproc_per_node={nproc}", "-m", "oomless", "train", str(cfg_path), "--no-progress", *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -58,7 +58,8 @@ def test_oom_on_rank_1_halves_the_micro_batch_on_both_ranks(single_process, run_
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("zero", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [2, 3])
 def test_deepspeed_zero_two_processes_oom_on_rank_1(single_process, run_config, tmp_path, zero):
     """DeepSpeed's ZeRO engine on gloo: the ranks agree before the backward collectives."""
     pytest.importorskip("deepspeed")
@@ -78,6 +79,30 @@ def test_deepspeed_zero_two_processes_oom_on_rank_1(single_process, run_config, 
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4)
 
 
+def test_fsdp_oom_on_rank_1_then_kill_and_resume(run_config, tmp_path):
+    """FSDP2 on gloo: recovery, a checkpoint of sharded state, and --resume."""
+    constant = {"training.lr_scheduler": "constant"}
+    base = train(run_config("base", **constant, **{"training.max_steps": 4})).run_dir
+    cfg = run_config("fsdp", micro_batch_size=2, grad_accum=2,
+                     **constant, **{"training.engine": "fsdp", "training.max_steps": 2,
+                                    "training.inject_oom": [{"step": 2, "rank": 1}]})
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(dump_run_config(cfg))
+    _torchrun(path)  # stops after step 2 with a checkpoint
+    path.write_text(dump_run_config(cfg.replace(**{"training.max_steps": 4})))
+    _torchrun(path, extra=["--resume"])
+    run = tmp_path / "fsdp"
+    assert [e["event"] for e in read_events(run)].count("oom") == 1
+    assert [e["event"] for e in read_events(run)].count("resume") == 1
+    steps = read_steps(run)
+    assert [s["micro_batch_size_per_rank"] for s in steps] == [[2, 2], [1, 1], [1, 1], [1, 1]]
+    assert [s["loss"] for s in steps] == pytest.approx([s["loss"] for s in read_steps(base)],
+                                                        abs=1e-5)
+    a, b = trained_state(base), trained_state(run)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4)
+
+
 def _multi_gpu_yaml(run_config, tmp_path, **overrides):
     cfg = run_config("multi", **{"hardware.gpu": "a100-80gb", "hardware.gpus_per_node": 4,
                                  **overrides})
@@ -86,15 +111,17 @@ def _multi_gpu_yaml(run_config, tmp_path, **overrides):
     return cfg, path
 
 
-@pytest.mark.parametrize(("zero", "nodes", "dist_type"),
-                         [(3, 2, "DEEPSPEED"), (2, 1, "DEEPSPEED"), (0, 1, "MULTI_GPU")])
+@pytest.mark.parametrize(("zero", "nodes", "engine", "dist_type"),
+                         [(3, 2, "auto", "DEEPSPEED"), (2, 1, "auto", "DEEPSPEED"),
+                          (0, 1, "auto", "MULTI_GPU"), (0, 1, "fsdp", "FSDP")])
 def test_several_gpus_launch_accelerate_with_valid_files(run_config, tmp_path, capsys,
-                                                         zero, nodes, dist_type):
+                                                         zero, nodes, engine, dist_type):
     from accelerate.commands.config.config_args import load_config_from_file
 
     from oomless.cli import main
 
-    cfg, path = _multi_gpu_yaml(run_config, tmp_path, zero=zero, **{"hardware.nodes": nodes})
+    cfg, path = _multi_gpu_yaml(run_config, tmp_path, zero=zero,
+                                **{"hardware.nodes": nodes, "training.engine": engine})
     argv = ["train", str(path), "--dry-run", "--resume", "--machine-rank", "1",
             "--main-process-ip", "10.0.0.1"]
     assert main(argv) == 0
@@ -105,10 +132,12 @@ def test_several_gpus_launch_accelerate_with_valid_files(run_config, tmp_path, c
     acc = load_config_from_file(str(run / "accelerate.yaml"))  # accelerate's own parser
     assert (acc.distributed_type.value, acc.num_processes, acc.num_machines) == (
         dist_type, 4 * nodes, nodes)
-    if zero:
+    if dist_type == "DEEPSPEED":
         assert acc.deepspeed_config["deepspeed_config_file"] == str(run / "deepspeed.json")
     else:
         assert not (run / "deepspeed.json").exists()
+    if dist_type == "FSDP":
+        assert acc.fsdp_config["fsdp_version"] == 2
 
 
 def test_deepspeed_json_is_accepted_by_deepspeed(run_config):

@@ -137,11 +137,10 @@ def read_state(folder: Path) -> dict[str, Any]:
     return json.loads((folder / STATE).read_text())
 
 
-def restore(folder: Path, model: Any, scheduler: Any, rank: int) -> dict:
-    """Load weights, scheduler and this rank's RNG (the engine loads the optimizer)."""
+def restore(folder: Path, scheduler: Any, rank: int) -> dict:
+    """Load the scheduler and this rank's RNG (the engine loads weights and optimizer)."""
     import torch
 
-    load_weights(model, folder)
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
     rng_file = folder / f"rng-rank{rank}.pt"
     if not rng_file.is_file():

@@ -3,6 +3,7 @@
 - :class:`ReplicaEngine` (``zero: 0``): one full replica per process; oomless
   sums the gradients itself after the step's micro batches and the OOM
   agreement, so no collective runs inside forward/backward.
+- :class:`FSDPEngine` (``training.engine: fsdp``): PyTorch FSDP2.
 - :class:`DeepSpeedEngine` (``zero: 1..3``): DeepSpeed's ZeRO engine
   (``deepspeed.initialize``) in processes started by ``accelerate launch``.
   DeepSpeed communicates inside backward (ZeRO-2 reduce-scatters every micro
@@ -26,7 +27,33 @@ from typing import Any
 from ..config import RunConfig
 
 
-class ReplicaEngine:
+class _Engine:
+    """What every engine shares: weights saved whole by rank 0."""
+
+    tr: Any
+
+    def gathered(self, modify: bool = False) -> Any:
+        """Context in which every weight is whole (all ranks enter it)."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def save_weights(self, folder: Path) -> None:
+        """Every rank calls this; rank 0 writes the adapter or the model."""
+        from .checkpoint import save_weights
+
+        with self.gathered():
+            if self.tr.dist.is_main:
+                save_weights(self.module, folder)
+
+    def load_weights(self, folder: Path) -> None:
+        from .checkpoint import load_weights
+
+        with self.gathered(modify=True):
+            load_weights(self.module, folder)
+
+
+class ReplicaEngine(_Engine):
     name = "replica"
     agree_each_micro = False
 
@@ -58,12 +85,6 @@ class ReplicaEngine:
 
     def discard(self) -> None:
         self.tr.optimizer.zero_grad(set_to_none=True)
-
-    def gathered(self) -> Any:
-        """Context in which every weight is whole (all ranks enter it)."""
-        import contextlib
-
-        return contextlib.nullcontext()
 
     def save_state(self, folder: Path) -> None:
         """Rank 0 only: the optimizer is replicated."""
@@ -103,7 +124,7 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     }
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(_Engine):
     name = "deepspeed"
     agree_each_micro = True
 
@@ -138,8 +159,9 @@ class DeepSpeedEngine:
         self.engine.zero_grad()
         self.engine.optimizer.zero_grad(set_to_none=True)
 
-    def gathered(self) -> Any:
-        """ZeRO-3: gather the parameters to save (trainable ones for LoRA) on every rank."""
+    def gathered(self, modify: bool = False) -> Any:
+        """ZeRO-3: gather the parameters (trainable ones for LoRA) on every rank;
+        ``modify``: rank 0's values are scattered back on exit."""
         import contextlib
 
         if self.tr.cfg.zero != 3:
@@ -148,7 +170,7 @@ class DeepSpeedEngine:
 
         params = [p for p in self.engine.module.parameters()
                   if p.requires_grad or self.tr.cfg.method == "full"]
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None)
 
     def save_state(self, folder: Path) -> None:
         """Every rank: DeepSpeed writes each rank's optimizer partition (collective)."""
@@ -161,14 +183,137 @@ class DeepSpeedEngine:
                                     load_lr_scheduler_states=False)
 
 
-def make_engine(tr: Any) -> Any:
-    cfg = tr.cfg
-    if cfg.zero > 0 or cfg.training.engine == "deepspeed":
-        return DeepSpeedEngine(tr)
-    if cfg.training.engine == "fsdp":
+class FSDPEngine(_Engine):
+    """PyTorch FSDP2 (``fully_shard`` per decoder layer, then the whole model).
+
+    ``zero: 2`` keeps parameters gathered between forward and backward
+    (reshard_after_forward=False, like ZeRO-2 / SHARD_GRAD_OP); otherwise they
+    are resharded after forward (ZeRO-3 / FULL_SHARD). The optimizer is built
+    on the sharded parameters. FSDP gathers in forward and reduce-scatters in
+    backward, so, as with DeepSpeed, ranks agree on an OOM before each backward.
+    """
+
+    name = "fsdp"
+    agree_each_micro = True
+
+    def __init__(self, tr: Any) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from ..errors import ConfigError
+        from .loading import build_optimizer, build_scheduler
+
+        if tr.cfg.offload != "none" or tr.cfg.method == "qlora":
+            raise ConfigError("engine fsdp: offload and QLoRA are not wired to FSDP in oomless; "
+                              "use zero: 2/3 with DeepSpeed (engine: deepspeed)")
+        self.tr = tr
+        self.grad_scale = float(tr.dist.world_size)  # FSDP averages the reduced gradients
+        self.mesh = init_device_mesh(tr.device.type, (tr.dist.world_size,))
+        reshard = tr.cfg.zero != 2
+        for layer in _decoder_layers(tr.model):
+            fully_shard(layer, mesh=self.mesh, reshard_after_forward=reshard)
+        fully_shard(tr.model, mesh=self.mesh, reshard_after_forward=reshard)
+        tr.params = [p for p in tr.model.parameters() if p.requires_grad]
+        tr.optimizer = build_optimizer(tr.cfg, tr.params, tr.device.type)
+        tr.scheduler = build_scheduler(tr.cfg, tr.optimizer, tr.total_steps)
+
+    @property
+    def module(self) -> Any:
+        return self.tr.model
+
+    def forward(self, batch: dict[str, Any]) -> Any:
+        return self.tr.model(**batch).logits
+
+    def backward(self, loss: Any, last: bool) -> None:
+        self.tr.model.set_requires_gradient_sync(last)
+        loss.backward()
+
+    def step(self) -> float | None:
+        """Clip (DTensor-aware: the norm is over all shards), step, zero the gradients."""
+        import torch
+
+        tr = self.tr
+        norm = None
+        if tr.cfg.training.max_grad_norm > 0:
+            total = torch.nn.utils.clip_grad_norm_(tr.params, tr.cfg.training.max_grad_norm)
+            norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+        tr.optimizer.step()
+        tr.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def discard(self) -> None:
+        self.tr.optimizer.zero_grad(set_to_none=True)
+
+    def _options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def save_weights(self, folder: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        full = get_model_state_dict(self.tr.model, options=self._options())  # collective
+        if self.tr.dist.is_main:
+            self.tr.model.save_pretrained(str(folder), state_dict=full, safe_serialization=True)
+
+    def load_weights(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        peft = hasattr(self.tr.model, "peft_config")
+        files = ["adapter_model.safetensors"] if peft else sorted(
+            p.name for p in folder.glob("model*.safetensors"))
+        state: dict[str, Any] = {}
+        for name in files:
+            state.update(load_file(str(folder / name)))
+        if peft:  # the adapter file drops the adapter name PEFT puts in module keys
+            state = {k.replace(".weight", ".default.weight") if ".lora_" in k else k: v
+                     for k, v in state.items()}
+        set_model_state_dict(self.tr.model, state,
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def save_state(self, folder: Path) -> None:
+        import torch
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        full = get_optimizer_state_dict(self.tr.model, self.tr.optimizer, options=self._options())
+        if self.tr.dist.is_main:
+            torch.save(full, folder / "optimizer.pt")
+
+    def load_state(self, folder: Path) -> None:
+        import torch
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        full = torch.load(folder / "optimizer.pt", weights_only=False)
+        set_optimizer_state_dict(self.tr.model, self.tr.optimizer, full,
+                                 options=StateDictOptions(full_state_dict=True))
+
+
+def _decoder_layers(model: Any) -> list[Any]:
+    """The modules transformers marks as not to be split (decoder layers)."""
+    names = set()
+    for m in model.modules():
+        names |= set(getattr(m, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
         from ..errors import ConfigError
 
-        raise ConfigError("training.engine: fsdp is launched through accelerate with the FSDP "
-                          "config (oomless train writes it), but oomless's own loop drives "
-                          "DeepSpeed ZeRO only; use zero: 1-3 (engine: deepspeed) for sharding")
+        raise ConfigError(f"engine fsdp: no decoder layers found in {type(model).__name__} "
+                          "(no _no_split_modules); use engine: deepspeed")
+    return layers
+
+
+def make_engine(tr: Any) -> Any:
+    """FSDP when training.engine says so, DeepSpeed for ZeRO ≥ 1, else replicas."""
+    cfg = tr.cfg
+    if cfg.training.engine == "fsdp":
+        return FSDPEngine(tr)
+    if cfg.zero > 0 or cfg.training.engine == "deepspeed":
+        return DeepSpeedEngine(tr)
     return ReplicaEngine(tr)

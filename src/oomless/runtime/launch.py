@@ -27,10 +27,10 @@ from ..errors import ConfigError
 
 
 def distributed_type(cfg: RunConfig) -> str:
-    if cfg.zero > 0 or cfg.training.engine == "deepspeed":
-        return "DEEPSPEED"
     if cfg.training.engine == "fsdp":
         return "FSDP"
+    if cfg.zero > 0 or cfg.training.engine == "deepspeed":
+        return "DEEPSPEED"
     return "MULTI_GPU"
 
 
@@ -61,7 +61,7 @@ def accelerate_config(cfg: RunConfig, deepspeed_file: Path | None, machine_rank:
     if out["distributed_type"] == "FSDP":
         out["fsdp_config"] = {
             "fsdp_version": 2,
-            "fsdp_reshard_after_forward": cfg.zero == 3 or cfg.zero == 0,
+            "fsdp_reshard_after_forward": cfg.zero != 2,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_offload_params": cfg.offload == "all",
@@ -105,10 +105,6 @@ def launch_command(config_file: str, acc_file: Path, args: Any) -> list[str]:
 
 def launch(cfg: RunConfig, args: Any) -> int:
     """Write the launch files and run ``accelerate launch`` (or print it with --dry-run)."""
-    if cfg.training.engine == "fsdp" and cfg.zero == 0:
-        raise ConfigError("training.engine: fsdp — oomless writes the FSDP accelerate config, "
-                          "but its training loop drives DeepSpeed ZeRO only; use zero: 1-3 "
-                          "(engine: deepspeed) for sharding across GPUs")
     run_dir = Path(cfg.training.output_dir)
     acc_file = write_launch_files(cfg, run_dir, getattr(args, "machine_rank", 0) or 0,
                                   getattr(args, "main_process_ip", None),

@@ -38,8 +38,8 @@ def resume(tr: Trainer) -> None:
     if folder is None:
         raise ConfigError(f"--resume: no checkpoint in '{tr.run_dir / ckpt.CHECKPOINTS}'; "
                           "start without --resume")
-    with tr.engine.gathered():
-        state = ckpt.restore(folder, tr.engine.module, tr.scheduler, tr.dist.rank)
+    tr.engine.load_weights(folder)
+    state = ckpt.restore(folder, tr.scheduler, tr.dist.rank)
     tr.engine.load_state(folder)
     if state["schedule"] != tr.schedule_dict():
         raise ConfigError(f"--resume: checkpoint '{folder}' was made with a different data "
@@ -68,9 +68,7 @@ def save_checkpoint(tr: Trainer) -> Path | None:
     tr.engine.save_state(tmp)
     tr.dist.barrier()
     final = None
-    with tr.engine.gathered():
-        if tr.dist.is_main:
-            ckpt.save_weights(tr.engine.module, tmp)
+    tr.engine.save_weights(tmp)
     if tr.dist.is_main:
         state = {"step": tr.step, "eval_round": tr.eval_round,
                  "micro_batch_size": tr.micro_batch_size,
@@ -95,10 +93,9 @@ def finish(tr: Trainer, result: TrainResult) -> TrainResult:
     result.predicted_peak_bytes = tr.predicted_peak_bytes
     result.measured_peak_bytes = measured_peak(tr)
     tmp = ckpt.prepare_tmp(tr.run_dir, 0) if tr.dist.is_main else None
-    with tr.engine.gathered():
-        if tmp is not None:
-            ckpt.save_weights(tr.engine.module, tmp)
-    if tmp is not None:
+    tmp = Path(tr.dist.broadcast_str(str(tmp) if tmp else None))
+    tr.engine.save_weights(tmp)
+    if tr.dist.is_main:
         final = tr.run_dir / "final"
         tr.tokenizer.save_pretrained(str(tmp))
         if final.exists():
