@@ -197,3 +197,22 @@ def test_qlora_on_cuda_logs_gpu_memory_and_predicted_peak(run_config):
     assert all(s["allocated_bytes"][0] <= s["reserved_bytes"][0] for s in steps)
     assert result.measured_peak_bytes > 0 and result.predicted_peak_bytes > 0
     assert result.losses[-1] == result.losses[-1]
+
+
+def test_model_id_from_the_local_hf_cache_offline(run_config, tiny_model_dir, tmp_path,
+                                                  monkeypatch):
+    import shutil
+
+    import huggingface_hub.constants as hub
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--tiny-org--tiny-qwen2" / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_model_dir, snapshot)
+    (cache / "models--tiny-org--tiny-qwen2" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-qwen2" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(cache))
+    result = train(run_config(model="tiny-org/tiny-qwen2", **{"training.max_steps": 1}))
+    from oomless.runtime.memlog import read_events
+
+    events = [e["event"] for e in read_events(result.run_dir)]
+    assert events[0] == "start" and events[-1] == "finish" and result.steps == 1

@@ -30,6 +30,11 @@ def write_run_files(tr: Trainer) -> None:
     (tr.run_dir / "oomless.yaml").write_text(dump_run_config(tr.cfg))
     if tr.estimate is not None:
         write_json_atomic(tr.run_dir / "estimate.json", tr.estimate.to_dict())
+    tr.log.event("start", f"training steps {tr.step + 1}..{tr.total_steps}: {tr.preflight_note}",
+                 tr.step, engine=tr.engine.name, world_size=tr.dist.world_size,
+                 effective_batch=tr.schedule.effective_batch,
+                 micro_batch_size=tr.micro_batch_size, device=str(tr.device),
+                 predicted_peak_bytes=tr.predicted_peak_bytes)
 
 
 def resume(tr: Trainer) -> None:
@@ -104,7 +109,12 @@ def finish(tr: Trainer, result: TrainResult) -> TrainResult:
             shutil.rmtree(final)
         tmp.rename(final)
         result.final_dir = final
-        write_json_atomic(tr.run_dir / "summary.json", summary_dict(result, tr))
+        summary = summary_dict(result, tr)
+        write_json_atomic(tr.run_dir / "summary.json", summary)
+        tr.log.event("finish", "training finished; predicted vs measured peak in summary.json",
+                     tr.step, **{k: summary[k] for k in ("predicted_peak_bytes",
+                                                         "measured_peak_bytes",
+                                                         "measured_peak_kind", "final_loss")})
     return result
 
 
