@@ -72,6 +72,10 @@ def test_measure_rejects_bad_requests():
     no_class = ResolvedModel(spec=model.spec, hf_config=None, source="test")
     with pytest.raises(ConfigError, match="no transformers class"):
         measure_training(cfg, resolved=no_class, device="cpu")
+    from oomless.catalog import resolve_model
+
+    with pytest.raises(ConfigError, match="meant for small models"):  # refused before building
+        measure_training(cfg, resolved=resolve_model("llama-2-7b"), device="cpu")
 
 
 @pytest.mark.gpu

@@ -97,6 +97,11 @@ def _measure_cpu(resolved: Any, cfg: RunConfig, cluster: Cluster | None, steps: 
     from ..memory.overheads import non_pytorch_bytes
     from .trace import _assumptions
 
+    if resolved.spec.param_count > CPU_MAX_PARAMS:  # before building it for real
+        raise ConfigError(
+            f"{resolved.spec.name} has {resolved.spec.param_count:,} parameters: measuring on "
+            f"CPU is meant for small models (≤ {CPU_MAX_PARAMS:,}); run it on a GPU or use "
+            "`oomless trace`")
     started = time.perf_counter()
     stats = measure_cpu_stats(resolved.hf_config, cfg, cluster, steps, alloc_conf)
     totals = stats.phase_peaks
