@@ -43,51 +43,72 @@ class TraceStats:
         return {p: sum(c.values()) for p, c in self.breakdown.items()}
 
 
+class _Walk:
+    """Replay state: the allocator, bytes per category, per-phase peaks, points."""
+
+    def __init__(self, stream: Stream, config: AllocatorConfig):
+        self.stream = stream
+        self.alloc = CachingAllocator(config)
+        self.blocks: dict[int, Any] = {}
+        self.cat_bytes: dict[str, int] = defaultdict(int)
+        self.best: dict[str, tuple[int, dict[str, int]]] = {}
+        self.tensor_peaks: dict[str, int] = {}
+        self.live = self.paged = self.paged_peak = 0
+        self.points: list[tuple[int, int, int]] = []
+        self.oom: dict[str, int] | None = None
+        self.phase_names = [name for name, _ in stream.phases]
+
+    def run(self) -> _Walk:
+        for i, (kind, key, size) in enumerate(self.stream.events):
+            if self.event(kind, key, size, i) and self.oom:
+                break
+        return self
+
+    def event(self, kind: str, key: int, size: int, i: int) -> bool:
+        """Apply one event; False when it changes nothing the allocator sees."""
+        cat, nbytes = self.stream.category[key], self.stream.nbytes[key]
+        if cat == PAGED:  # unified memory: outside the caching allocator
+            self.paged += nbytes if kind == ALLOC else -nbytes
+            self.paged_peak = max(self.paged_peak, self.paged)
+            return False
+        if kind == ALLOC:
+            if size <= 0:
+                return False
+            try:
+                self.blocks[key] = block = self.alloc.malloc(size)
+            except SimulatedOOM as err:  # only with a capacity set
+                self.oom = {"event": i, "request_bytes": err.size_bytes}
+                return True
+            self.cat_bytes[cat] += block.size
+            self.live += _rounded(size)
+        else:
+            block = self.blocks.pop(key, None)
+            if block is None:
+                return False
+            self.cat_bytes[cat] -= block.size
+            self.alloc.free(block)
+            self.live -= _rounded(nbytes)
+        self._observe(i)
+        return True
+
+    def _observe(self, i: int) -> None:
+        phase = self.phase_names[self.stream.event_phase[i]]
+        if phase in SKIP_PHASES:
+            return
+        allocated = self.alloc.allocated_bytes
+        top = self.best.get(phase)
+        if top is None or allocated > top[0]:
+            self.best[phase] = (allocated, {k: v for k, v in self.cat_bytes.items() if v})
+        if self.live > self.tensor_peaks.get(phase, 0):
+            self.tensor_peaks[phase] = self.live
+        self.points.append((i, allocated, self.alloc.reserved_bytes))
+
+
 def analyze(stream: Stream, config: AllocatorConfig, *, num_layers: int, param_count: int,
             trainable_params: int, timeline_points: int = 800,
             module_peaks: dict[str, dict[str, int]] | None = None) -> TraceStats:
-    alloc = CachingAllocator(config)
-    cats = stream.category
-    blocks: dict[int, Any] = {}
-    cat_bytes: dict[str, int] = defaultdict(int)
-    best: dict[str, tuple[int, dict[str, int]]] = {}
-    tensor_peaks: dict[str, int] = {}
-    live = paged = paged_peak = 0
-    points: list[tuple[int, int, int]] = []
-    oom: dict[str, int] | None = None
-    phase_names = [name for name, _ in stream.phases]
-    for i, (kind, key, size) in enumerate(stream.events):
-        cat = cats[key]
-        nbytes = stream.nbytes[key]
-        if cat == PAGED:  # unified memory: outside the caching allocator
-            paged += nbytes if kind == ALLOC else -nbytes
-            paged_peak = max(paged_peak, paged)
-            continue
-        if kind == ALLOC:
-            if size <= 0:
-                continue
-            try:
-                blocks[key] = alloc.malloc(size)
-            except SimulatedOOM as err:  # only with a capacity set
-                oom = {"event": i, "request_bytes": err.size_bytes}
-                break
-            cat_bytes[cat] += blocks[key].size
-            live += _rounded(size)
-        else:
-            block = blocks.pop(key, None)
-            if block is None:
-                continue
-            cat_bytes[cat] -= block.size
-            alloc.free(block)
-            live -= _rounded(nbytes)
-        phase = phase_names[stream.event_phase[i]]
-        if phase not in SKIP_PHASES:
-            top = best.get(phase)
-            if top is None or alloc.allocated_bytes > top[0]:
-                best[phase] = (alloc.allocated_bytes, {k: v for k, v in cat_bytes.items() if v})
-            if live > tensor_peaks.get(phase, 0):
-                tensor_peaks[phase] = live
-            points.append((i, alloc.allocated_bytes, alloc.reserved_bytes))
+    walk = _Walk(stream, config).run()
+    alloc = walk.alloc
     allocator = {
         "config": config.describe(),
         "peak_allocated_bytes": alloc.peak_allocated_bytes,
@@ -95,20 +116,15 @@ def analyze(stream: Stream, config: AllocatorConfig, *, num_layers: int, param_c
         "peak_requested_bytes": alloc.peak_requested_bytes,
         "num_alloc_retries": alloc.num_alloc_retries,
         "num_device_alloc": alloc.num_device_alloc,
-        "oom": oom,
+        "oom": walk.oom,
     }
     return TraceStats(
-        num_layers=num_layers,
-        param_count=param_count,
-        trainable_params=trainable_params,
-        breakdown={p: cats_ for p, (_, cats_) in best.items()},
-        tensor_peaks=tensor_peaks,
-        peak_reserved_bytes=alloc.peak_reserved_bytes,
-        paged_bytes=paged_peak,
-        allocator=allocator,
-        timeline=_timeline(stream, points, timeline_points),
-        module_peaks=module_peaks or {},
-        num_events=len(stream.events),
+        num_layers=num_layers, param_count=param_count, trainable_params=trainable_params,
+        breakdown={p: cats for p, (_, cats) in walk.best.items()},
+        tensor_peaks=walk.tensor_peaks, peak_reserved_bytes=alloc.peak_reserved_bytes,
+        paged_bytes=walk.paged_peak, allocator=allocator,
+        timeline=_timeline(stream, walk.points, timeline_points),
+        module_peaks=module_peaks or {}, num_events=len(stream.events),
     )
 
 

@@ -105,45 +105,22 @@ def expand(tracker: Any, template: set[int], before: set[int], after: set[int],
     bwd = _handovers(tracker, runs, template, after, before)  # after's key → template key
     last = copies - 1
     sizes = _grown_sizes(tracker, template, copies)
-    events: list[tuple[str, int, int]] = []
-    event_phase: list[int] = []
-
-    def emit(kind: str, key: int, size: int, phase: int) -> None:
-        events.append((kind, key, size))
-        event_phase.append(phase)
-
+    out = Stream([], [], base.phases, {}, {})
     for start, end, is_template in runs:
         phase = tracker.event_phase[start]
-        if is_template:
-            backward = tracker.phases[phase][0] == "backward"
-            for c in (range(last, -1, -1) if backward else range(copies)):
-                for i in range(start, end):
-                    kind, key, size = tracker.events[i]
-                    new = _in_copy(key, owner[key], c, last, template, fwd, bwd, stride,
-                                   backward)
-                    if new is not None:
-                        emit(kind, new, size, phase)
+        if not is_template:
+            _emit_outside(tracker, out, start, end, template, before | after, after, copies,
+                          stride, sizes)
             continue
-        group: list[tuple[str, int, int]] = []  # consecutive events of every copy
-        for i in range(start, end + 1):
-            kind, key, size = tracker.events[i] if i < end else (FREE, -1, 0)
-            every_copy = i < end and owner[key] in template and not (
-                kind == FREE and tracker.event_owner[i] in before | after)
-            if every_copy:  # weights, gradients, states: layer after layer
-                group.append((kind, key, size))
-                continue
-            for c in range(copies):
-                for g_kind, g_key, g_size in group:
-                    emit(g_kind, g_key + c * stride, g_size, phase)
-            group = []
-            if i == end:
-                break
-            if owner[key] not in template:
-                emit(kind, key, sizes.get(key, size) if kind == ALLOC else size, phase)
-            elif tracker.event_owner[i] in after:
-                emit(kind, key + last * stride, size, phase)  # the last copy hands on
-            else:
-                emit(kind, key, size, phase)  # copy 0 hands back
+        backward = tracker.phases[phase][0] == "backward"
+        for c in (range(last, -1, -1) if backward else range(copies)):
+            for i in range(start, end):
+                kind, key, size = tracker.events[i]
+                new = _in_copy(key, owner[key], c, last, template, fwd, bwd, stride, backward)
+                if new is not None:
+                    out.events.append((kind, new, size))
+                    out.event_phase.append(phase)
+    events, event_phase = out.events, out.event_phase
     nbytes = {**_copy_map(base.nbytes, owner, template, copies, stride), **sizes}
     return _checked(Stream(events, event_phase, base.phases,
                            _copy_map(base.category, owner, template, copies, stride), nbytes))
@@ -160,6 +137,37 @@ def _grown_sizes(tracker: Any, template: set[int], copies: int) -> dict[int, int
             if total and mine:
                 out[key] = rec.nbytes + round(rec.nbytes * mine / total) * (copies - 1)
     return out
+
+
+def _emit_outside(tracker: Any, out: Stream, start: int, end: int, template: set[int],
+                  neighbours: set[int], after: set[int], copies: int, stride: int,
+                  sizes: dict[int, int]) -> None:
+    """Events outside the template: its storages' weights, gradients and states are
+    emitted for every copy, layer after layer; hand-overs to or from a neighbour
+    block concern one copy only."""
+    phase = tracker.event_phase[start]
+    group: list[tuple[str, int, int]] = []  # consecutive events of every copy
+    for i in range(start, end + 1):
+        kind, key, size = tracker.events[i] if i < end else (FREE, -1, 0)
+        owned = i < end and tracker.records[key].owner in template
+        if owned and not (kind == FREE and tracker.event_owner[i] in neighbours):
+            group.append((kind, key, size))
+            continue
+        for c in range(copies):
+            for g_kind, g_key, g_size in group:
+                out.events.append((g_kind, g_key + c * stride, g_size))
+                out.event_phase.append(phase)
+        group = []
+        if i == end:
+            break
+        if not owned:
+            event = (kind, key, sizes.get(key, size) if kind == ALLOC else size)
+        elif tracker.event_owner[i] in after:
+            event = (kind, key + (copies - 1) * stride, size)  # the last copy hands on
+        else:
+            event = (kind, key, size)  # copy 0 hands back
+        out.events.append(event)
+        out.event_phase.append(phase)
 
 
 def _in_copy(key: int, key_owner: int, c: int, last: int, template: set[int],

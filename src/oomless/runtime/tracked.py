@@ -85,6 +85,44 @@ def _output_embedding_name(model: Any) -> str | None:
     return None
 
 
+class _Callbacks:
+    """What the step tells the tracker: phases, the logits region, gradients, states."""
+
+    def __init__(self, tracker: Any, model: Any, cfg: RunConfig, layers_name: str | None):
+        self.tracker = tracker
+        self.head = _output_embedding_name(model)
+        self.owner = {id(p): layer_index(n, layers_name) for n, p in model.named_parameters()}
+        self.states = PAGED if cfg.optimizer.startswith("paged") else OPTIMIZER
+
+    def on_enter(self, name: str, backward: bool) -> None:
+        if name == self.head and not backward:
+            self.tracker.region = LOGITS
+
+    def on_exit(self, name: str, backward: bool) -> None:
+        if name == self.head and backward:
+            self.tracker.region = None
+
+    def on_phase(self, name: str, iteration: int) -> None:
+        self.tracker.start_phase(name, iteration)
+        self.tracker.region = LOGITS if (name == "backward" and self.head) else None
+
+    def on_grads(self, params: list[Any]) -> None:
+        from .tracker import GRADIENTS
+
+        for p in params:
+            if p.grad is not None:
+                self.tracker.categorize([p.grad], GRADIENTS)
+                self.tracker.set_owner([p.grad], self.owner[id(p)])
+
+    def on_states(self, optimizer: Any) -> None:
+        import torch
+
+        for p, state in optimizer.state.items():
+            tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+            self.tracker.categorize(tensors, self.states)
+            self.tracker.set_owner(tensors, self.owner.get(id(p), -1))
+
+
 def run_tracked(model: Any, cfg: RunConfig, batch: dict, eval_batch: dict | None, *,
                 device_type: str, num_layers: int, fake: Any = None, emulation: Any = None,
                 iterations: int = 2) -> Any:
@@ -92,43 +130,13 @@ def run_tracked(model: Any, cfg: RunConfig, batch: dict, eval_batch: dict | None
     import contextlib
 
     from .step import run_steps
-    from .tracker import GRADIENTS, StorageTracker
+    from .tracker import StorageTracker
 
     tracker = StorageTracker(emulation=emulation)
     layers_name = decoder_layers_name(model, num_layers)
     register_model(tracker, model, cfg, [batch, eval_batch], layers_name)
-    head = _output_embedding_name(model)
-    owner = {id(p): layer_index(n, layers_name) for n, p in model.named_parameters()}
-
-    def on_enter(name: str, backward: bool) -> None:
-        if name == head and not backward:
-            tracker.region = LOGITS
-
-    def on_exit(name: str, backward: bool) -> None:
-        if name == head and backward:
-            tracker.region = None
-
-    def on_phase(name: str, iteration: int) -> None:
-        tracker.start_phase(name, iteration)
-        tracker.region = LOGITS if (name == "backward" and head) else None
-
-    def on_grads(params: list[Any]) -> None:
-        for p in params:
-            if p.grad is not None:
-                tracker.categorize([p.grad], GRADIENTS)
-                tracker.set_owner([p.grad], owner[id(p)])
-
-    states = PAGED if cfg.optimizer.startswith("paged") else OPTIMIZER
-
-    def on_states(optimizer: Any) -> None:
-        import torch
-
-        for p, state in optimizer.state.items():
-            tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
-            tracker.categorize(tensors, states)
-            tracker.set_owner(tensors, owner.get(id(p), -1))
-
-    modules = ModuleStack(model, on_enter, on_exit)
+    calls = _Callbacks(tracker, model, cfg, layers_name)
+    modules = ModuleStack(model, calls.on_enter, calls.on_exit)
     if layers_name:
         modules.set_layers(layers_name, num_layers)
     tracker.modules = modules
@@ -136,7 +144,7 @@ def run_tracked(model: Any, cfg: RunConfig, batch: dict, eval_batch: dict | None
         with fake if fake is not None else contextlib.nullcontext(), tracker, modules:
             tracker.losses = run_steps(
                 model, cfg, batch, device_type=device_type, iterations=iterations,
-                on_phase=on_phase, on_grads=on_grads, on_states=on_states,
+                on_phase=calls.on_phase, on_grads=calls.on_grads, on_states=calls.on_states,
                 eval_batch=eval_batch)
     except NotImplementedError as err:
         raise TraceUnsupported(str(err)) from None

@@ -1,127 +1,22 @@
-"""A model of PyTorch's CUDA caching allocator, replayed over an alloc/free stream.
-
-Pure Python, torch-free. It follows ``c10/cuda/CUDACachingAllocator.cpp``
-(DeviceCachingAllocator: ``malloc``, ``get_free_block``, ``should_split``,
-``alloc_found_block``, ``free_block``, ``try_merge_blocks``,
-``release_available_cached_blocks``, ``release_cached_blocks`` and the
-expandable-segment functions ``find_expandable_block``, ``map_block``,
-``try_allocate_expandable_block``, ``unmap_block``) for one device and one
-stream:
-
-- requests round up to 512 bytes (``round_size``; optional power-of-2 divisions);
-- ≤ 1 MiB goes to the small pool, served from 2 MiB segments; larger requests
-  to the large pool: < 10 MiB from 20 MiB segments, else rounded up to 2 MiB;
-- best fit by (size, address); a small block splits when ≥ 512 B remain, a
-  large one when the request is below ``max_split_size`` and > 1 MiB remains;
-- blocks ≥ ``max_split_size`` serve only requests ≥ ``max_split_size`` and
-  within 20 MiB of their size;
-- when a new segment does not fit in ``capacity_bytes``: free oversize cached
-  blocks and retry, then free every unsplit cached block and retry, then OOM;
-- ``expandable_segments``: one growing segment per pool, mapped in 2 MiB
-  (small) / 20 MiB (large) pages; any block splits when ≥ 512 B remain.
-
-Not modelled: several streams (training runs on one), CUDA graphs' private
-pools, ``garbage_collection_threshold``. ``allocated`` counts block sizes, as
-``torch.cuda.memory_allocated`` does, so an unsplit 20 MiB block serving a
-19.5 MiB request counts 20 MiB.
-"""
+"""The caching allocator itself: pools, blocks, segments (see the package docstring)."""
 
 from __future__ import annotations
 
 import bisect
-import itertools
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from .errors import ConfigError
-from .units import MiB
-
-# Constants of c10/cuda/CUDACachingAllocator.cpp
-MIN_BLOCK_BYTES = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
-SMALL_SIZE_BYTES = 1 * MiB  # kSmallSize: largest "small" allocation
-SMALL_BUFFER_BYTES = 2 * MiB  # kSmallBuffer: small allocations are packed in 2 MiB segments
-LARGE_BUFFER_BYTES = 20 * MiB  # kLargeBuffer: 1-10 MiB requests share 20 MiB segments
-MIN_LARGE_ALLOC_BYTES = 10 * MiB  # kMinLargeAlloc
-ROUND_LARGE_BYTES = 2 * MiB  # kRoundLarge: large segments round up to 2 MiB
-# ExpandableSegment reserves address space for 1 1/8 of the GPU's memory.
-_NO_CAPACITY_ADDRESS_SPACE = 1 << 48
-
-
-class SimulatedOOM(Exception):
-    """The simulated allocator could not serve a request within its capacity."""
-
-    def __init__(self, size_bytes: int, allocated_bytes: int, reserved_bytes: int):
-        super().__init__(
-            f"simulated CUDA OOM: tried to allocate {size_bytes} bytes with "
-            f"{allocated_bytes} allocated and {reserved_bytes} reserved"
-        )
-        self.size_bytes = size_bytes
-        self.allocated_bytes = allocated_bytes
-        self.reserved_bytes = reserved_bytes
-
-
-@dataclass(frozen=True)
-class AllocatorConfig:
-    """The ``PYTORCH_CUDA_ALLOC_CONF`` options the simulation honours.
-
-    ``capacity_bytes``: the most the allocator may reserve (GPU memory minus
-    CUDA context and other non-PyTorch memory); None: unlimited.
-    """
-
-    max_split_size_bytes: int | None = None
-    expandable_segments: bool = False
-    roundup_power2_divisions: int = 0
-    capacity_bytes: int | None = None
-
-    @classmethod
-    def from_conf(cls, text: str | None, capacity_bytes: int | None = None) -> AllocatorConfig:
-        """Parse ``"expandable_segments:True,max_split_size_mb:128"``."""
-        opts: dict[str, Any] = {"capacity_bytes": capacity_bytes}
-        for item in filter(None, (p.strip() for p in (text or "").split(","))):
-            key, _, value = item.partition(":")
-            key, value = key.strip(), value.strip()
-            if key == "expandable_segments":
-                opts["expandable_segments"] = value.lower() == "true"
-            elif key == "max_split_size_mb":
-                mb = _int_option(key, value)
-                if mb <= LARGE_BUFFER_BYTES // MiB:
-                    raise ConfigError(
-                        f"PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb:{value} is too small; "
-                        "PyTorch requires more than 20 (MiB)"
-                    )
-                opts["max_split_size_bytes"] = mb * MiB
-            elif key == "roundup_power2_divisions" and not value.startswith("["):
-                opts["roundup_power2_divisions"] = _int_option(key, value)
-            elif key in ("garbage_collection_threshold", "backend", "release_lock_on_cudamalloc",
-                         "pinned_use_cuda_host_register", "pinned_num_register_threads",
-                         "roundup_power2_divisions"):
-                continue  # accepted by PyTorch, not modelled here
-            else:
-                raise ConfigError(
-                    f"PYTORCH_CUDA_ALLOC_CONF: unknown option '{key}'; expected "
-                    "expandable_segments, max_split_size_mb or roundup_power2_divisions"
-                )
-        return cls(**opts)
-
-    def describe(self) -> str:
-        parts = []
-        if self.expandable_segments:
-            parts.append("expandable_segments:True")
-        if self.max_split_size_bytes is not None:
-            parts.append(f"max_split_size_mb:{self.max_split_size_bytes // MiB}")
-        if self.roundup_power2_divisions:
-            parts.append(f"roundup_power2_divisions:{self.roundup_power2_divisions}")
-        return ",".join(parts) or "default"
-
-
-def _int_option(key: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(
-            f"PYTORCH_CUDA_ALLOC_CONF: '{key}' needs an integer, got '{value}'"
-        ) from None
+from .config import (
+    _NO_CAPACITY_ADDRESS_SPACE,
+    LARGE_BUFFER_BYTES,
+    MIN_BLOCK_BYTES,
+    ROUND_LARGE_BYTES,
+    SMALL_BUFFER_BYTES,
+    SMALL_SIZE_BYTES,
+    AllocatorConfig,
+    SimulatedOOM,
+    allocation_size,
+    round_size,
+)
 
 
 class _Block:
@@ -170,30 +65,6 @@ class _Pool:
         del self.blocks[key]
         del self.keys[bisect.bisect_left(self.keys, key)]
 
-
-def round_size(size: int, divisions: int = 0) -> int:
-    """``round_size``: at least 512 B, a multiple of 512 B, or the next power-of-2 division."""
-    if size < MIN_BLOCK_BYTES:
-        return MIN_BLOCK_BYTES
-    if divisions > 1 and size > MIN_BLOCK_BYTES * divisions:
-        if size & (size - 1) == 0:
-            return size
-        floor = 1 << (size.bit_length() - 1)
-        step = floor >> (divisions.bit_length() - 1)
-        if step == 0:
-            return floor << 1
-        base = size & ~(step - 1)
-        return size if base == size else base + step
-    return MIN_BLOCK_BYTES * -(-size // MIN_BLOCK_BYTES)
-
-
-def allocation_size(size: int) -> int:
-    """``get_allocation_size``: the segment cudaMalloc gets for a rounded request."""
-    if size <= SMALL_SIZE_BYTES:
-        return SMALL_BUFFER_BYTES
-    if size < MIN_LARGE_ALLOC_BYTES:
-        return LARGE_BUFFER_BYTES
-    return ROUND_LARGE_BYTES * -(-size // ROUND_LARGE_BYTES)
 
 
 class CachingAllocator:
@@ -469,108 +340,3 @@ class CachingAllocator:
         if block.addr != start:
             del pool.unmapped[start]
             pool.unmapped[block.addr] = block
-
-
-# ---- replaying a stream ----------------------------------------------------------
-ALLOC = "alloc"
-FREE = "free"
-
-
-@dataclass(frozen=True)
-class AllocatorReport:
-    """What replaying a stream through the allocator gave."""
-
-    config: str
-    peak_allocated_bytes: int  # max of memory_allocated (block sizes)
-    peak_reserved_bytes: int  # max of memory_reserved (segments)
-    peak_requested_bytes: int  # max of the sum of requested sizes
-    reserved_at_peak_allocated_bytes: int
-    final_allocated_bytes: int
-    final_reserved_bytes: int
-    num_events: int
-    num_alloc_retries: int
-    num_segments_at_end: int
-    oom_at_event: int | None = None  # index of the request that did not fit
-    oom_request_bytes: int | None = None
-    timeline: tuple[tuple[int, int, int], ...] = ()  # (event index, allocated, reserved)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["timeline"] = [list(p) for p in self.timeline]
-        return d
-
-
-def replay(
-    events: Iterable[tuple[str, int, int]],
-    config: AllocatorConfig | None = None,
-    timeline_points: int = 0,
-) -> AllocatorReport:
-    """Replay ``(ALLOC, key, size_bytes)`` / ``(FREE, key, 0)`` events.
-
-    Zero-byte requests take no block (PyTorch returns a null pointer for them).
-    ``timeline_points`` > 0 records (event, allocated, reserved) after every
-    event and keeps about that many points, each bucket's highest.
-    """
-    alloc = CachingAllocator(config)
-    live: dict[int, _Block] = {}
-    points: list[tuple[int, int, int]] = []
-    reserved_at_peak = 0
-    oom_at = oom_bytes = None
-    n = 0
-    for n, (kind, key, size) in enumerate(events):
-        if kind == ALLOC:
-            if size <= 0:
-                continue
-            try:
-                live[key] = alloc.malloc(size)
-            except SimulatedOOM as err:
-                oom_at, oom_bytes = n, err.size_bytes
-                break
-            if alloc.allocated_bytes == alloc.peak_allocated_bytes:
-                reserved_at_peak = alloc.reserved_bytes
-        else:
-            block = live.pop(key, None)
-            if block is not None:
-                alloc.free(block)
-        if timeline_points:
-            points.append((n, alloc.allocated_bytes, alloc.reserved_bytes))
-    return AllocatorReport(
-        config=alloc.config.describe(),
-        peak_allocated_bytes=alloc.peak_allocated_bytes,
-        peak_reserved_bytes=alloc.peak_reserved_bytes,
-        peak_requested_bytes=alloc.peak_requested_bytes,
-        reserved_at_peak_allocated_bytes=reserved_at_peak,
-        final_allocated_bytes=alloc.allocated_bytes,
-        final_reserved_bytes=alloc.reserved_bytes,
-        num_events=n + 1 if oom_at is None else n,
-        num_alloc_retries=alloc.num_alloc_retries,
-        num_segments_at_end=alloc.num_segments,
-        oom_at_event=oom_at,
-        oom_request_bytes=oom_bytes,
-        timeline=tuple(downsample(points, timeline_points)) if timeline_points else (),
-    )
-
-
-def downsample(points: list[tuple[int, ...]], target: int) -> list[tuple[int, ...]]:
-    """About ``target`` points: per bucket the point with the highest second field,
-    so every peak survives."""
-    if len(points) <= target:
-        return list(points)
-    size = -(-len(points) // target)
-    out = []
-    for i in range(0, len(points), size):
-        bucket = points[i : i + size]
-        out.append(max(bucket, key=lambda p: p[1]))
-    if out[-1] != points[-1]:
-        out.append(points[-1])
-    return out
-
-
-def stream_from_sizes(sizes_and_frees: Iterable[int]) -> list[tuple[str, int, int]]:
-    """Test helper: positive n allocates n bytes under the next key; negative -k
-    frees key k (keys count from 1)."""
-    keys = itertools.count(1)
-    out: list[tuple[str, int, int]] = []
-    for v in sizes_and_frees:
-        out.append((ALLOC, next(keys), v) if v > 0 else (FREE, -v, 0))
-    return out
