@@ -113,6 +113,17 @@ def backward_transient_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int
     return tr
 
 
+def embedding_grad_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
+    """The embedding's backward writes a dense (vocab × hidden) gradient
+    (aten embedding_dense_backward). Untied, it becomes the .grad itself; tied
+    to lm_head, whose gradient is already there, it is a second dense tensor
+    that is summed into the first (AccumulateGrad): two vocab × hidden
+    temporaries at the very end of the backward, as the trace shows."""
+    if cfg.method != "full" or not spec.tie_embeddings:
+        return 0
+    return 2 * dt.grad_bytes * spec.vocab_size * spec.hidden_size
+
+
 def eval_forward_bytes(spec: ModelSpec, dt: Dtypes, b: int, s: int, attn: str) -> float:
     """No-grad forward: one layer's intermediates at a time plus the loss's logits."""
     t = b * s
@@ -153,7 +164,9 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
     # the first layer back-propagates last: its activations (saved or
     # recomputed) are alive next to the complete gradients.
     end = {**persistent, **grads, "activations": acts["one_layer"], "temporaries": transient}
-    phases["backward"] = max((start, in_layers, end), key=lambda d: sum(d.values()))
+    # after the first layer: only the embedding's backward is left
+    embed = {**persistent, **grads, "temporaries": embedding_grad_bytes(spec, cfg, dt)}
+    phases["backward"] = max((start, in_layers, end, embed), key=lambda d: sum(d.values()))
     phases["optimizer"] = {**persistent, **grads, **step_only}
     if cfg.eval.batch_size or cfg.eval.steps or cfg.eval.predict_with_generate:
         eb = cfg.eval_batch_size
