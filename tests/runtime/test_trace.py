@@ -57,15 +57,24 @@ def test_trace_result_is_a_consistent_memory_estimate(lora_trace):
 
 def test_trace_extra_has_modules_timeline_and_allocator(lora_trace):
     extra = lora_trace.extra
-    attn = extra["per_module_peak"]["model.layers.0.self_attn"]
-    assert attn["forward_peak_bytes"] > 0 and attn["backward_peak_bytes"] > 0
-    assert "lm_head" in extra["per_module_peak"]
-    timeline = extra["timeline"]
-    assert timeline["columns"] == ["event", "allocated_bytes", "reserved_bytes"]
-    assert max(p[1] for p in timeline["points"]) == lora_trace.peak_allocated_bytes
-    assert [(p["phase"], p["iteration"]) for p in timeline["phases"]][:6] == [
-        ("forward", 0), ("backward", 0), ("optimizer", 0),
-        ("forward", 1), ("backward", 1), ("optimizer", 1)]
+    modules = extra["per_module_peak"]
+    attn = modules["model.layers.0.self_attn"]
+    assert attn["forward_added_bytes"] > 0 and attn["backward_added_bytes"] > 0
+    # the same layer structure adds the same memory in every layer
+    assert modules["model.layers.1.mlp"] == modules["model.layers.0.mlp"]
+    # lm_head's forward adds at least its logits: tokens × vocab in bf16
+    assert modules["lm_head"]["forward_added_bytes"] >= 2 * 64 * 1000 * 2
+    assert "model" not in modules and "model.layers" not in modules
+    timeline = extra["timeline"]  # the list of points the report draws
+    assert set(timeline[0]) == {"index", "allocated_bytes", "reserved_bytes", "phase",
+                                "iteration"}
+    assert max(p["allocated_bytes"] for p in timeline) == lora_trace.peak_allocated_bytes
+    runs = []
+    for p in timeline:
+        if not runs or runs[-1] != (p["phase"], p["iteration"]):
+            runs.append((p["phase"], p["iteration"]))
+    assert runs == [("forward", 0), ("backward", 0), ("optimizer", 0), ("forward", 1),
+                    ("backward", 1), ("optimizer", 1), ("evaluation", 2)]
     assert extra["allocator"]["peak_reserved_bytes"] == lora_trace.peak_reserved_bytes
     assert extra["layers_traced"] == [2]  # two layers: traced in full
 
@@ -107,9 +116,9 @@ def test_layer_expansion_equals_a_full_trace(config, options):
     assert expanded.peak_reserved_bytes == full.peak_reserved_bytes
     # reserved bytes event by event; allocated may differ inside a burst of frees whose
     # order is arbitrary (autocast's cache of weight casts is a hash map)
-    ours, theirs = expanded.timeline["points"], full.timeline["points"]
-    assert [p[2] for p in ours] == [p[2] for p in theirs]
-    assert max(p[1] for p in ours) == max(p[1] for p in theirs)
+    ours, theirs = expanded.timeline, full.timeline
+    assert [p["reserved_bytes"] for p in ours] == [p["reserved_bytes"] for p in theirs]
+    assert max(p["allocated_bytes"] for p in ours) == max(p["allocated_bytes"] for p in theirs)
     assert (expanded.param_count, expanded.trainable_params) == (
         full.param_count, full.trainable_params)
 

@@ -74,12 +74,13 @@ def render_trace_extra(est, top: int) -> None:
     if top and modules:
         from rich.table import Table
 
-        table = Table(title="Peak while each module ran", title_justify="left")
+        table = Table(title="Memory a module's run adds on top of what was live",
+                      title_justify="left")
         table.add_column("module")
         table.add_column("forward", justify="right")
         table.add_column("backward", justify="right")
         ranked = sorted(modules.items(), key=lambda kv: -max(kv[1].values()))[:top]
-        for name, peaks in ranked:
-            table.add_row(name, fmt_bytes(peaks["forward_peak_bytes"]),
-                          fmt_bytes(peaks["backward_peak_bytes"]))
+        for name, added in ranked:
+            table.add_row(name, fmt_bytes(added["forward_added_bytes"]),
+                          fmt_bytes(added["backward_added_bytes"]))
         out.print(table)

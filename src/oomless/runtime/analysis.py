@@ -31,7 +31,7 @@ class TraceStats:
     peak_reserved_bytes: int
     paged_bytes: int
     allocator: dict[str, Any]
-    timeline: dict[str, Any]
+    timeline: list[dict[str, Any]]
     module_peaks: dict[str, dict[str, int]]
     num_events: int
     notes: list[str] = field(default_factory=list)
@@ -54,7 +54,7 @@ class _Walk:
         self.best: dict[str, tuple[int, dict[str, int]]] = {}
         self.tensor_peaks: dict[str, int] = {}
         self.live = self.paged = self.paged_peak = 0
-        self.points: list[tuple[int, int, int]] = []
+        self.points: list[tuple[int, int, int, int]] = []
         self.oom: dict[str, int] | None = None
         self.phase_names = [name for name, _ in stream.phases]
 
@@ -101,7 +101,8 @@ class _Walk:
             self.best[phase] = (allocated, {k: v for k, v in self.cat_bytes.items() if v})
         if self.live > self.tensor_peaks.get(phase, 0):
             self.tensor_peaks[phase] = self.live
-        self.points.append((i, allocated, self.alloc.reserved_bytes))
+        self.points.append((i, allocated, self.alloc.reserved_bytes,
+                            self.stream.event_phase[i]))
 
 
 def analyze(stream: Stream, config: AllocatorConfig, *, num_layers: int, param_count: int,
@@ -128,21 +129,16 @@ def analyze(stream: Stream, config: AllocatorConfig, *, num_layers: int, param_c
     )
 
 
-def _timeline(stream: Stream, points: list[tuple[int, int, int]],
-              n_points: int) -> dict[str, Any]:
-    phases = []
-    last = -1
-    for i, idx in enumerate(stream.event_phase):
-        if idx != last:
-            name, iteration = stream.phases[idx]
-            if name not in SKIP_PHASES:
-                phases.append({"event": i, "phase": name, "iteration": iteration})
-            last = idx
-    return {
-        "columns": ["event", "allocated_bytes", "reserved_bytes"],
-        "points": [list(p) for p in downsample(points, n_points)] if n_points else [],
-        "phases": phases,
-    }
+def _timeline(stream: Stream, points: list[tuple[int, int, int, int]],
+              n_points: int) -> list[dict[str, Any]]:
+    """Allocated and reserved bytes after each event (about ``n_points`` of them,
+    every peak kept), with the phase and iteration each belongs to."""
+    out = []
+    for index, allocated, reserved, phase_idx in downsample(points, n_points):
+        phase, iteration = stream.phases[phase_idx]
+        out.append({"index": index, "allocated_bytes": allocated,
+                    "reserved_bytes": reserved, "phase": phase, "iteration": iteration})
+    return out
 
 
 PEFT_PREFIX = "base_model.model."
@@ -153,18 +149,21 @@ def display_name(name: str) -> str:
 
 
 def module_peaks(tracker: StorageTracker) -> dict[str, dict[str, int]]:
-    """Highest live tensor bytes while each module ran (forward / backward);
-    modules down to a layer's attention and MLP, adapter internals left out."""
+    """The most memory each module's run added on top of what was live when it
+    started, forward and backward: modules down to a layer's attention and MLP,
+    adapter internals and the wrappers around all layers left out."""
+    layers = tracker.layers_name
     out = {}
     for name, (fwd, bwd) in tracker.module_peaks.items():
-        if name in ("base_model", "base_model.model"):
-            continue  # PEFT's wrappers: the same as the whole model
+        if name in ("base_model", "base_model.model") or (layers and (
+                name == layers or layers.startswith(name + "."))):
+            continue  # the whole model: its peak is the estimate's peak
         shown = display_name(name)
         parts = shown.split(".")
         depth = 4 + sum(p in ("language_model", "text_model") for p in parts)
         if len(parts) > depth or any(p.startswith("lora_") or p == "base_layer" for p in parts):
             continue
-        out[shown] = {"forward_peak_bytes": fwd, "backward_peak_bytes": bwd}
+        out[shown] = {"forward_added_bytes": fwd, "backward_added_bytes": bwd}
     return out
 
 

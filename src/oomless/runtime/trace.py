@@ -215,6 +215,13 @@ def _assumptions(cfg: RunConfig, runs: list[TraceStats], plan: LayerPlan | None)
         "dk/dv_expanded), cuBLAS + cuBLASLt workspaces for the forward thread and the "
         "autograd thread, bitsandbytes' dequantized 4-bit weight per matmul; CPU autocast "
         "stands in for CUDA autocast (transformers upcasts norms, softmax and loss itself)",
+        "SDPA with an attention mask (a sliding window shorter than the sequence) runs "
+        "CUDA's memory-efficient kernel; traced with PyTorch's CPU flash kernel, which keeps "
+        "the same output and log-sum-exp (that kernel's backward workspace is not emulated)",
+        "precision as HF Trainer + PEFT: LoRA/QLoRA load the base in 16-bit with fp32 "
+        "adapters, full fine-tuning keeps fp32 weights, both under bf16/fp16 autocast; "
+        "pure-bf16 is bf16 throughout without autocast; QLoRA keeps lm_head, embeddings "
+        "and norms in 16-bit",
         "batches are full length without padding (no attention mask), use_cache off",
         "reserved memory from replaying the alloc/free stream through a simulation of "
         "PyTorch's CUDA caching allocator (one stream)",

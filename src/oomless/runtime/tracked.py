@@ -134,6 +134,7 @@ def run_tracked(model: Any, cfg: RunConfig, batch: dict, eval_batch: dict | None
 
     tracker = StorageTracker(emulation=emulation)
     layers_name = decoder_layers_name(model, num_layers)
+    tracker.layers_name = layers_name or ""
     register_model(tracker, model, cfg, [batch, eval_batch], layers_name)
     calls = _Callbacks(tracker, model, cfg, layers_name)
     modules = ModuleStack(model, calls.on_enter, calls.on_exit)

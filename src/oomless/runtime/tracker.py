@@ -80,7 +80,10 @@ class ModuleStack:
                  on_exit: Callable[[str, bool], None] | None = None):
         self.names = {id(m): name for name, m in root.named_modules() if name}
         self.layer_of: dict[str, int] = {}  # module name → decoder layer index
+        self.layers_name = ""  # the ModuleList of decoder layers
         self.segment_layer = -1  # the decoder layer whose stretch of the step this is
+        self.live: Callable[[], int] | None = None  # live bytes now (set by the tracker)
+        self.entry_bytes: dict[str, int] = {}  # live bytes when each module was entered
         self.active: list[str] = []
         self.failed_in: str | None = None  # innermost module running when an error left
         self._on_enter, self._on_exit = on_enter, on_exit
@@ -89,6 +92,7 @@ class ModuleStack:
 
     def set_layers(self, layers_name: str, count: int) -> None:
         """Name the decoder layers: ``layers_name`` is their ModuleList."""
+        self.layers_name = layers_name
         for name in self.names.values():
             rest = name.removeprefix(layers_name + ".")
             if rest != name:
@@ -102,6 +106,8 @@ class ModuleStack:
         # layers, such as freeing the previous layer's output
         self.segment_layer = self.layer_of.get(name, -1)
         self.active.append(name)
+        if self.live is not None:
+            self.entry_bytes[name] = self.live()
         if self._on_enter:
             self._on_enter(name, backward)
 
@@ -179,9 +185,12 @@ class StorageTracker(TorchDispatchMode):
         self.modules: ModuleStack | None = None
         self.emulation = emulation
         self.live_bytes = 0  # 512-rounded bytes of live storages
-        self.module_peaks: dict[str, list[int]] = {}  # name → [forward peak, backward peak]
+        # name → [forward, backward]: the most bytes a module's run added on top of
+        # what was live when it started (independent of the model's depth)
+        self.module_peaks: dict[str, list[int]] = {}
         self._by_storage: dict[int, int] = {}  # id(storage object) → key
         self.losses: list[Any] = []  # the step's losses (set by the caller)
+        self.layers_name = ""  # the decoder layers' ModuleList (set by the caller)
         self._next_key = 1
 
     # ---- phases and regions ------------------------------------------------
@@ -212,10 +221,12 @@ class StorageTracker(TorchDispatchMode):
         self.live_bytes += _rounded(nbytes)
         if self.modules is not None and self.modules.active:
             slot = 1 if self.phase == "backward" else 0
+            entry = self.modules.entry_bytes
             for name in self.modules.active:
                 peaks = self.module_peaks.setdefault(name, [0, 0])
-                if self.live_bytes > peaks[slot]:
-                    peaks[slot] = self.live_bytes
+                added = self.live_bytes - entry.get(name, self.live_bytes)
+                if added > peaks[slot]:
+                    peaks[slot] = added
         return rec
 
     def _release(self, key: int) -> None:
@@ -281,6 +292,11 @@ class StorageTracker(TorchDispatchMode):
         self._release(key)
 
     # ---- dispatch --------------------------------------------------------------------
+    def __enter__(self) -> StorageTracker:
+        if self.modules is not None and self.modules.live is None:
+            self.modules.live = lambda: self.live_bytes
+        return super().__enter__()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _SKIP_OPS:
