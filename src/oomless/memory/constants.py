@@ -50,8 +50,18 @@ CUDA_CONTEXT_BYTES = 500 * MiB
 # (aten/src/ATen/cuda/CublasHandlePool.cpp): default CUBLAS_WORKSPACE_CONFIG
 # :4096:8 = 32 MiB on Hopper (sm90), :4096:2:16:8 ≈ 8.1 MiB before it, per
 # handle/stream; cuBLASLt adds one of the same size.
-CUBLAS_WORKSPACE_HOPPER_BYTES = 32 * MiB
+CUBLAS_WORKSPACE_HOPPER_BYTES = 32 * MiB  # compute capability exactly 9.0
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8
+# cuBLASLt: CUBLASLT_WORKSPACE_SIZE default 1024 KiB per handle. The forward
+# thread and the autograd engine's device thread each hold one pair.
+CUBLASLT_WORKSPACE_BYTES = 1 * MiB
+CUBLAS_HANDLES_IN_TRAINING = 2
+
+
+def cublas_workspace_bytes(compute_capability: str) -> int:
+    """Workspaces the caching allocator holds for cuBLAS and cuBLASLt in a training step."""
+    ws = CUBLAS_WORKSPACE_HOPPER_BYTES if compute_capability == "9.0" else CUBLAS_WORKSPACE_BYTES
+    return CUBLAS_HANDLES_IN_TRAINING * (ws + CUBLASLT_WORKSPACE_BYTES)
 # NCCL: NCCL_BUFFSIZE 4 MiB per channel and peer, plus the library's own
 # device code; reports range 200–600 MiB per GPU in data-parallel jobs. We take
 # 300 MiB per GPU when world size > 1.

@@ -220,9 +220,7 @@ def training_phases(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = N
     grads = {k: gpu_state.pop(k) for k in ("gradients", "ddp_buckets") if k in gpu_state}
     step_only = {k: gpu_state.pop(k) for k in ("grad_partition_fp32",) if k in gpu_state}
     cap = cluster.gpu.compute_capability if cluster else "9.0"
-    gpu_state["cublas_workspace"] = 2 * (
-        C.CUBLAS_WORKSPACE_HOPPER_BYTES if float(cap) >= 9.0 else C.CUBLAS_WORKSPACE_BYTES
-    )
+    gpu_state["cublas_workspace"] = C.cublas_workspace_bytes(cap)
     return _phases(spec, cfg, dt, gpu_state, grads, step_only), gpu_state, st
 
 
