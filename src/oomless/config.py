@@ -219,13 +219,19 @@ def _key_lines(node: Any, prefix: str = "") -> dict[str, int]:
 
 
 def load_yaml_with_lines(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
-    import yaml
 
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as err:
         raise ConfigError(f"cannot read '{path}': {err.strerror}") from None
+    return parse_yaml_with_lines(text, path)
+
+
+def parse_yaml_with_lines(text: str, path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """A YAML mapping and the line of every dotted key; errors name the file."""
+    import yaml
+
     try:
         data = yaml.safe_load(text) or {}
         lines = _key_lines(yaml.compose(text))

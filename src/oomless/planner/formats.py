@@ -92,17 +92,10 @@ def source_from_text(path: Path, role: str, text: str) -> Source:
         if not isinstance(data, dict):
             raise ConfigError(f"'{path}': expected a JSON object at the top level")
         return Source(role, path, text, "json", data, lines)
-    import yaml
 
-    from ..config import _key_lines
+    from ..config import parse_yaml_with_lines
 
-    try:
-        data = yaml.safe_load(text) or {}
-        lines = _key_lines(yaml.compose(text))
-    except yaml.YAMLError as err:
-        raise ConfigError(f"'{path}' is not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"'{path}': expected a mapping of keys at the top level")
+    data, lines = parse_yaml_with_lines(text, path)
     return Source(role, path, text, "yaml", data, lines)
 
 
