@@ -171,7 +171,7 @@ def _write_records(path, lengths_chars):
 def test_data_lengths_drive_truncation_and_epoch_time(tmp_path):
     data = tmp_path / "train.jsonl"
     _write_records(data, [800] * 198 + [40000, 36000])  # two samples far longer than the rest
-    result = plan_from_options(PlanOptions(model="qwen2.5-1.5b-instruct", gpu="rtx-4090",
+    result = plan_from_options(PlanOptions(model="qwen2.5-1.5b-instruct", gpu="rtx-a6000",
                                            data=str(data), top=10))
     d = result.data
     assert d["samples"] == 200 and d["max"] > 9000 and d["p50"] < 300

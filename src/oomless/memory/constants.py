@@ -70,11 +70,16 @@ NCCL_BYTES = 300 * MiB
 # --- caching allocator --------------------------------------------------------
 # Reserved-but-unallocated memory at the peak (fragmentation and cached
 # blocks). c10/cuda/CUDACachingAllocator.cpp rounds large blocks to 2 MiB and
-# caches freed blocks; the traced allocator simulation (oomless trace) gives a
-# per-run figure. Analytic default: 6% of the transient (non-persistent) peak,
-# at least 64 MiB; 2% with expandable_segments.
-ALLOC_RESERVE_FRACTION = 0.06
+# caches freed blocks; a freed block serves later requests only where they fit,
+# so the largest transient tensor of a step (the fp32 logits block, 4·t·V, or a
+# dense embedding gradient) leaves a hole that smaller tensors only partly
+# refill. Calibrated against the caching-allocator simulation of `oomless trace`
+# on the accuracy matrix: reserve ≈ max(70% of the largest transient block, 5%
+# of the memory that churns). With expandable_segments: 20% and 2%.
+ALLOC_RESERVE_FRACTION = 0.05
 ALLOC_RESERVE_FRACTION_EXPANDABLE = 0.02
+ALLOC_RESERVE_LARGEST_BLOCK = 0.7
+ALLOC_RESERVE_LARGEST_BLOCK_EXPANDABLE = 0.2
 ALLOC_RESERVE_MIN_BYTES = 64 * MiB
 
 # --- DeepSpeed ------------------------------------------------------------------

@@ -17,22 +17,29 @@ def non_pytorch_bytes(cluster: Cluster | None, world_size: int) -> dict[str, int
     return out
 
 
-def allocator_reserve_bytes(peak_allocated: int, persistent: int, expandable: bool) -> int:
-    """Reserved-but-unallocated bytes at the peak: a fraction of the memory that
-    churns (everything but the persistent states), see constants."""
-    frac = C.ALLOC_RESERVE_FRACTION_EXPANDABLE if expandable else C.ALLOC_RESERVE_FRACTION
-    return max(C.ALLOC_RESERVE_MIN_BYTES, round(frac * max(0, peak_allocated - persistent)))
+def allocator_reserve_bytes(peak_allocated: int, persistent: int, expandable: bool,
+                            largest_block: int = 0) -> int:
+    """Reserved-but-unallocated bytes at the peak: the larger of a share of the
+    step's largest transient block and a fraction of the memory that churns
+    (everything but the persistent states), see constants."""
+    if expandable:
+        frac, block = C.ALLOC_RESERVE_FRACTION_EXPANDABLE, C.ALLOC_RESERVE_LARGEST_BLOCK_EXPANDABLE
+    else:
+        frac, block = C.ALLOC_RESERVE_FRACTION, C.ALLOC_RESERVE_LARGEST_BLOCK
+    churn = frac * max(0, peak_allocated - persistent)
+    return max(C.ALLOC_RESERVE_MIN_BYTES, round(churn), round(block * largest_block))
 
 
 def peak_bytes(phases: dict[str, dict[str, int]], persistent: dict[str, int],
                cluster: Cluster | None, world_size: int,
-               expandable: bool) -> tuple[str, int, int, dict[str, int]]:
+               expandable: bool, largest_block: int = 0) -> tuple[str, int, int, dict[str, int]]:
     """(peak phase, peak allocated, allocator reserve, non-PyTorch bytes) of a
     phase breakdown; the device peak is allocated + reserve + non-PyTorch."""
     totals = {p: sum(d.values()) for p, d in phases.items()}
     peak_phase = max(totals, key=totals.__getitem__)
     peak_alloc = totals[peak_phase]
-    reserve = allocator_reserve_bytes(peak_alloc, sum(persistent.values()), expandable)
+    reserve = allocator_reserve_bytes(peak_alloc, sum(persistent.values()), expandable,
+                                      largest_block)
     return peak_phase, peak_alloc, reserve, non_pytorch_bytes(cluster, world_size)
 
 
@@ -40,12 +47,15 @@ def finish_estimate(*, spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None,
                     phases: dict[str, dict[str, int]], persistent: dict[str, int],
                     trainable: int, host_bytes: int, paged_bytes: int,
                     assumptions: list[str], expandable_segments: bool,
-                    method: str = "analytic", extra: dict | None = None) -> MemoryEstimate:
+                    method: str = "analytic", extra: dict | None = None,
+                    largest_block: int = 0) -> MemoryEstimate:
     peak_phase, peak_alloc, reserve, non_pt = peak_bytes(
-        phases, persistent, cluster, cfg.world_size, expandable_segments)
+        phases, persistent, cluster, cfg.world_size, expandable_segments, largest_block)
     assumptions = assumptions + [
-        f"allocator reserve (reserved − allocated) = {C.ALLOC_RESERVE_FRACTION:.0%} of the "
-        "non-persistent peak, at least 64 MiB (trace + allocator simulation refines it)",
+        "allocator reserve (reserved − allocated) = the larger of 70% of the largest "
+        f"transient block and {C.ALLOC_RESERVE_FRACTION:.0%} of the non-persistent peak, at "
+        "least 64 MiB, calibrated on the trace's allocator simulation (`oomless trace` "
+        "replays the real stream)",
         "CUDA context 500 MiB (lazy loading); NCCL 300 MiB per GPU when world size > 1; "
         "cuBLAS/cuBLASLt workspaces inside PyTorch's allocator",
     ]

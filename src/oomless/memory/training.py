@@ -113,6 +113,14 @@ def backward_transient_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int
     return tr
 
 
+def largest_block_bytes(spec: ModelSpec, cfg: RunConfig) -> int:
+    """The largest tensor a training step allocates and frees: the fp32 logits
+    block of the loss (4·tokens·vocab) or a dense embedding gradient."""
+    t = cfg.micro_batch_size * llm_seq_len(spec, cfg)
+    logits = C.LOSS_FP32_BYTES * t * spec.vocab_size
+    return round(max(logits, embedding_grad_bytes(spec, cfg, dtypes_for(cfg)) / 2))
+
+
 def embedding_grad_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
     """The embedding's backward writes a dense (vocab × hidden) gradient
     (aten embedding_dense_backward). Untied, it becomes the .grad itself; tied
@@ -200,6 +208,7 @@ def estimate_training(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None =
         spec=spec, cfg=cfg, cluster=cluster, phases=phases, persistent=gpu_state,
         trainable=st.trainable_params, host_bytes=st.host_bytes, paged_bytes=st.paged_bytes,
         assumptions=assumptions, expandable_segments=expandable_segments,
+        largest_block=largest_block_bytes(spec, cfg),
     )
 
 

@@ -15,7 +15,7 @@ from ..config import RunConfig
 from ..memory.overheads import peak_bytes
 from ..memory.precision import dtypes_for
 from ..memory.states import States, decoder_linear_weight_params, model_states, weight_bytes
-from ..memory.training import llm_seq_len, training_phases
+from ..memory.training import largest_block_bytes, llm_seq_len, training_phases
 from ..spec import ModelSpec
 from .search import Family, PlanRequest
 from .speed import FamilyCost, ShardBytes, StepTime, TokenLoad, family_cost, step_time
@@ -60,7 +60,8 @@ class Evaluator:
         self.evaluated += 1
         phases, persistent, st = training_phases(self.spec, cfg, self.cluster, states)
         phase, alloc, reserve, non_pt = peak_bytes(phases, persistent, self.cluster,
-                                                   cfg.world_size, False)
+                                                   cfg.world_size, False,
+                                                   largest_block_bytes(self.spec, cfg))
         device = alloc + reserve + sum(non_pt.values())
         host_short = 0
         if st.host_bytes and self.req.host_ram_bytes:
