@@ -259,6 +259,13 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
             "activations as a dense MLP over tokens × experts_per_token rows, "
             "routing assumed balanced"
         )
+    if spec.is_moe and cfg.method != "full" and cfg.lora.targets == "all-linear":
+        out.append(
+            "NOT MODELLED: with transformers ≥ 5 and PEFT 0.21, LoRA 'all-linear' also wraps "
+            "fused expert weights (Mixtral, Qwen3-MoE) and keeps a merged copy of every "
+            "expert weight per layer for backward; `oomless trace` measures it (Mixtral-8x7B "
+            "at 512 tokens: about 2× this estimate). List attention modules as targets to avoid it"
+        )
     if cfg.eval.predict_with_generate:
         out.append("generation: HF generate with a dynamic KV cache in the activation dtype")
     return out
