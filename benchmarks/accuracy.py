@@ -221,13 +221,28 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="every 8th row only")
     ap.add_argument("--no-memtracker", action="store_true")
+    ap.add_argument("--rows", default=":", help="a slice of the matrix, e.g. 30: (to split runs)")
+    ap.add_argument("--merge", nargs="*", default=[], help="result JSON files to combine")
     args = ap.parse_args()
     import platform
 
     rows = []
     suffix = "-quick" if args.quick else ""
     RESULTS.mkdir(exist_ok=True)
-    for row in matrix(args.quick):
+    if args.merge:
+        rows = [r for f in args.merge for r in json.loads(Path(f).read_text())["rows"]]
+        result = {"date": date.today().isoformat(),
+                  "machine": f"{platform.machine()}, {os.cpu_count()} cores (CPU trace, no GPU)",
+                  "summary": summary(rows), "rows": rows}
+        (RESULTS / "accuracy.json").write_text(json.dumps(result, indent=1) + "\n")
+        (RESULTS / "accuracy.md").write_text(markdown(result))
+        print(json.dumps(result["summary"], indent=1))
+        return
+    start, _, stop = args.rows.partition(":")
+    selected = matrix(args.quick)[int(start) if start else None:int(stop) if stop else None]
+    if args.rows != ":":
+        suffix += f"-rows{start}-{stop}"
+    for row in selected:
         r = run_row(row, not args.no_memtracker)
         rows.append(r)
         print(f"{r['model']:28s} {str(row):90.90s} ours {r['ours_error']:+.1%}", flush=True)
