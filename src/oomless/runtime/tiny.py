@@ -156,18 +156,7 @@ def build_tiny_model(
     model.generation_config = GenerationConfig(
         eos_token_id=ids["eos"], pad_token_id=ids["pad"], do_sample=False
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return out
+    return _save_folder(out, model, tokenizer)
 
 
 IMAGE_TOKEN = "<image>"
@@ -211,6 +200,12 @@ def build_tiny_vlm(out_dir: str | os.PathLike[str], seed: int = 0, image_size: i
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    return _save_folder(out, model, processor)
+
+
+def _save_folder(out: Path, model: Any, processor: Any) -> Path:
+    """Write model and tokenizer/processor as one HF folder, atomically
+    (a temporary folder beside it, then a rename)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
