@@ -68,10 +68,15 @@ def render_estimate(est: MemoryEstimate, show_assumptions: bool = False) -> None
         out.print(f"paged optimizer states (unified memory): "
                   f"{fmt_bytes(est.extra['paged_optimizer_bytes'])}")
     out.print(verdict(est))
-    if show_assumptions:
+    render_assumptions(out, est.assumptions, show_assumptions)
+
+
+def render_assumptions(out, assumptions, show: bool) -> None:
+    """Every assumption, or a one-line hint of how many there are."""
+    if show:
         out.print("[bold]assumptions[/]")
-        for a in est.assumptions:
+        for a in assumptions:
             out.print(f"  - {a}")
     else:
-        out.print(f"[dim]{len(est.assumptions)} assumptions: --assumptions to list them, "
+        out.print(f"[dim]{len(assumptions)} assumptions: --assumptions to list them, "
                   "--json for all fields[/]")

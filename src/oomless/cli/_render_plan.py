@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..units import fmt_bytes
+from ._render import render_assumptions
 
 
 def fmt_duration(seconds: float) -> str:
@@ -85,13 +86,7 @@ def render_plan(result: Any, written: list[str], show_assumptions: bool = False)
         out.print(f"[green]would fit:[/] {s}")
     for path in written:
         out.print(f"wrote {path}")
-    if show_assumptions:
-        out.print("[bold]assumptions[/]")
-        for a in result.assumptions:
-            out.print(f"  - {a}")
-    else:
-        out.print(f"[dim]{len(result.assumptions)} assumptions: --assumptions to list them, "
-                  "--json for every field[/]")
+    render_assumptions(out, result.assumptions, show_assumptions)
 
 
 def miss_text(m: Any) -> str:
