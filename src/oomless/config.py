@@ -172,15 +172,19 @@ class RunConfig(_Section):
         """A validated copy with top-level or dotted ("hardware.nodes") keys changed."""
         data = self.model_dump()
         for key, value in changes.items():
-            target = data
-            *parents, leaf = key.split(".")
-            for p in parents:
-                target = target[p]
-            target[leaf] = value
+            set_dotted(data, key, value)
         return RunConfig.model_validate(data)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """data["a"]["b"] = value for the key "a.b", creating sections as needed."""
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        data = data.setdefault(p, {})
+    data[leaf] = value
 
 
 def format_validation_error(err: ValidationError, source: str, lines: dict[str, int]) -> str:

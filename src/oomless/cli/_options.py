@@ -54,7 +54,7 @@ def _is_run_file(text: str) -> bool:
 
 def run_config_from_args(args: argparse.Namespace):
     """RunConfig from an optional YAML plus the flags the user gave."""
-    from ..config import build_run_config, load_yaml_with_lines
+    from ..config import build_run_config, load_yaml_with_lines, set_dotted
     from ..hardware import parse_gpu_arg
 
     data: dict[str, Any]
@@ -68,23 +68,17 @@ def run_config_from_args(args: argparse.Namespace):
     for flag, key in _FLAG_KEYS.items():
         value = getattr(args, flag, None)
         if value is not None:
-            _set(data, key, value)
+            set_dotted(data, key, value)
     if args.lora_targets:
         targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
-        _set(data, "lora.targets", "all-linear" if targets == ["all-linear"] else targets)
+        set_dotted(data, "lora.targets", "all-linear" if targets == ["all-linear"] else targets)
     if args.quant:
-        _set(data, "quantization.bits", 8 if args.quant == "int8" else 4)
+        set_dotted(data, "quantization.bits", 8 if args.quant == "int8" else 4)
         if args.quant != "int8":
-            _set(data, "quantization.type", args.quant)
+            set_dotted(data, "quantization.type", args.quant)
     if args.gpu:
         cluster = parse_gpu_arg(args.gpu)
-        _set(data, "hardware.gpu", cluster.gpu.name)
-        _set(data, "hardware.gpus_per_node", cluster.gpus_per_node)
+        set_dotted(data, "hardware.gpu", cluster.gpu.name)
+        set_dotted(data, "hardware.gpus_per_node", cluster.gpus_per_node)
     return build_run_config(data, source, lines)
 
-
-def _set(data: dict, dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    for p in parents:
-        data = data.setdefault(p, {})
-    data[leaf] = value

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..catalog import resolve_model
-from ..config import RunConfig, build_run_config, load_run_config
+from ..config import RunConfig, build_run_config, load_run_config, set_dotted
 from ..errors import ConfigError
 from ..hardware import Cluster, parse_gpu_arg
 from ..spec import ModelSpec
@@ -77,11 +77,7 @@ def _base_config(opts: PlanOptions, spec: ModelSpec) -> tuple[RunConfig, list[st
                         "eval.predict_with_generate": True})
     data = base.model_dump()
     for key, value in changes.items():
-        target = data
-        *parents, leaf = key.split(".")
-        for p in parents:
-            target = target[p]
-        target[leaf] = value
+        set_dotted(data, key, value)
     return build_run_config(data, "<plan options>"), notes, fixed
 
 
