@@ -34,10 +34,10 @@ from peers import (  # noqa: E402
     memtracker_estimate,
 )
 
-from oomless.catalog import resolve_model  # noqa: E402
 from oomless.config import RunConfig  # noqa: E402
 from oomless.memory import estimate_training  # noqa: E402
 from oomless.memory.states import largest_module_params  # noqa: E402
+from oomless.models.catalog import resolve_model  # noqa: E402
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -96,7 +96,7 @@ def _err(pred: int | None, ref: int) -> float | None:
 
 def _memtracker(resolved, cfg: RunConfig) -> tuple[int | None, str]:
     from oomless.runtime.build import TraceUnsupported, build_model, fake_mode
-    from oomless.runtime.step import make_batch, run_steps
+    from oomless.runtime.trace.hf_step import make_batch, run_steps
 
     try:
         built = build_model(resolved.hf_config, cfg, mode="fake")
@@ -132,7 +132,7 @@ _MT_FROZEN_FAILURE: list[str] = []
 
 
 def run_row(row: dict, with_memtracker: bool) -> dict:
-    from oomless.runtime.trace import trace_training
+    from oomless.runtime.trace.fake import trace_training
 
     cfg = RunConfig.model_validate(row)
     resolved = resolve_model(cfg.model)

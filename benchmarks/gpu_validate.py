@@ -24,10 +24,10 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from oomless.catalog import resolve_model  # noqa: E402
 from oomless.config import RunConfig  # noqa: E402
-from oomless.hardware import Cluster, get_gpu  # noqa: E402
 from oomless.memory import estimate_training  # noqa: E402
+from oomless.models.catalog import resolve_model  # noqa: E402
+from oomless.models.hardware import Cluster, get_gpu  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 MEASURES = ("peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes")
@@ -79,7 +79,7 @@ def predict(row: dict, gpu: str, with_trace: bool) -> dict:
     cluster = Cluster(get_gpu(gpu))
     out = {"analytic": estimate_training(resolved.spec, cfg, cluster).to_dict()}
     if with_trace:
-        from oomless.runtime.trace import trace_training
+        from oomless.runtime.trace.fake import trace_training
 
         out["trace"] = trace_training(cfg, cluster, resolved=resolved).to_dict()
     return out

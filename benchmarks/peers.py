@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from oomless.config import RunConfig
-from oomless.spec import ModelSpec
+from oomless.models.spec import ModelSpec
 
 MB = 1e6
 

@@ -25,12 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-from oomless.catalog import resolve_model
 from oomless.config import RunConfig
-from oomless.hardware import parse_gpu_arg
+from oomless.models.catalog import resolve_model
+from oomless.models.hardware import parse_gpu_arg
 from oomless.planner import build_request, search
-from oomless.planner.evaluate import Evaluator
-from oomless.planner.search import batch_splits, families
+from oomless.planner.candidates import batch_splits, families
+from oomless.planner.scoring import Evaluator
 
 CASES = [  # (model, gpu, method, seq_len, effective batch)
     ("glm-4-9b", "rtx-4090", "auto", 2048, 16),

@@ -17,10 +17,10 @@ import time
 from datetime import date
 from pathlib import Path
 
-from oomless.catalog import resolve_model
 from oomless.config import RunConfig
-from oomless.hardware import parse_gpu_arg
 from oomless.memory import estimate_training
+from oomless.models.catalog import resolve_model
+from oomless.models.hardware import parse_gpu_arg
 
 RESULTS = Path(__file__).parent / "results" / "speed.json"
 

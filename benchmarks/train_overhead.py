@@ -48,7 +48,7 @@ def _config(model_dir: Path, out: Path, steps: int):
 
 
 def time_oomless(model_dir: Path, out: Path, steps: int) -> list[float]:
-    from oomless.runtime.train import train
+    from oomless.runtime.train.loop import train
 
     ends: list[float] = []
     train(_config(model_dir, out, steps), on_step_end=lambda tr, rec: ends.append(
@@ -68,7 +68,7 @@ def time_hf_trainer(model_dir: Path, out: Path, steps: int) -> list[float]:
     )
 
     from oomless.config import DataConfig
-    from oomless.runtime.data import load_examples, load_tokenizer
+    from oomless.dataset.records import load_examples, load_tokenizer
     from oomless.runtime.tiny import demo_data_path
 
     tok = load_tokenizer(str(model_dir))

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from oomless.catalog import (
+from oomless.errors import UnknownModelError
+from oomless.models.catalog import (
     ResolvedModel,
     close_names,
     find_entry,
@@ -16,8 +17,7 @@ from oomless.catalog import (
     list_models,
     resolve_model,
 )
-from oomless.errors import UnknownModelError
-from oomless.hf_config import spec_from_hf_config
+from oomless.models.hf_config import spec_from_hf_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 

@@ -21,7 +21,7 @@ import os
 
 import pytest
 
-from oomless.catalog import get_entry, list_models
+from oomless.models.catalog import get_entry, list_models
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -105,7 +105,7 @@ def test_moe_llava_phi2_matches_the_rebuilt_model():
 def test_glm4v_language_model_matches_glm_and_total_matches_model_card():
     entry = get_entry("glm-4v-9b")
     spec = entry.spec
-    from oomless.hf_config import chatglm_to_glm
+    from oomless.models.hf_config import chatglm_to_glm
 
     lm = _build(chatglm_to_glm(entry.config))
     assert spec.language_params == _count(lm)

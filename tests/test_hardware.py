@@ -8,7 +8,7 @@ from importlib import resources
 import pytest
 
 from oomless.errors import UnknownGPUError
-from oomless.hardware import get_gpu, gpu_catalog, parse_gpu_arg
+from oomless.models.hardware import get_gpu, gpu_catalog, parse_gpu_arg
 
 REQUIRED = [
     "t4", "v100-16gb", "v100-32gb", "a10", "a10g", "l4", "l40s", "rtx-3090", "rtx-4090",

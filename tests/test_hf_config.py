@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oomless.catalog import get_entry
 from oomless.errors import ModelConfigError, UnknownModelError
-from oomless.hf_config import (
+from oomless.models.catalog import get_entry
+from oomless.models.hf_config import (
     buildable_hf_config,
     chatglm_to_glm,
     find_cached_config,
@@ -22,7 +22,7 @@ from oomless.hf_config import (
     locate_hf_config,
     spec_from_hf_config,
 )
-from oomless.spec import ModelSpec
+from oomless.models.spec import ModelSpec
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 
@@ -278,8 +278,8 @@ def test_hf_cache_lookup(tmp_path, monkeypatch, ref):
 
 def test_reading_configs_imports_no_torch():
     code = (
-        "import sys, oomless.hf_config, oomless.catalog\n"
-        "from oomless.catalog import list_models\n"
+        "import sys, oomless.models.hf_config, oomless.models.catalog\n"
+        "from oomless.models.catalog import list_models\n"
         "[e.spec for e in list_models()]\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
     )

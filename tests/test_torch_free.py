@@ -6,7 +6,7 @@ import sys
 
 CODE = """
 import sys, json
-import oomless, oomless.config, oomless.spec, oomless.catalog, oomless.hardware
+import oomless, oomless.config, oomless.models.spec, oomless.models.catalog, oomless.models.hardware
 import oomless.memory, oomless.api, oomless.cli
 from oomless.cli import main
 import contextlib, io

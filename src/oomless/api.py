@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
-from .catalog import resolve_model
 from .config import RunConfig
 from .errors import ConfigError
-from .hardware import Cluster, get_gpu
+from .models.catalog import resolve_model
+from .models.hardware import Cluster, get_gpu
 from .result import MemoryEstimate
 from .units import GiB, fmt_bytes
 

@@ -7,11 +7,11 @@ import json
 import pytest
 from diagnose_fixtures import FIXTURES, GiB, MiB, all_fixture_logs, as_bytes, read_fixture
 
-from oomless.catalog import resolve_model
 from oomless.config import RunConfig, load_run_config
 from oomless.diagnose import diagnose_text
 from oomless.diagnose.predict import choose_cluster
 from oomless.memory import estimate_training
+from oomless.models.catalog import resolve_model
 
 
 def finding(name: str, cfg: RunConfig | None = None, index: int = 0):

@@ -11,9 +11,9 @@ from infer_fixtures import RECORDS, read_rows, write_jsonl
 
 from oomless.cli import main
 from oomless.errors import ConfigError, DataError
-from oomless.runtime.infer import InferOptions, encode_prompt, prompt_messages
-from oomless.runtime.infer_hf import HFBackend
-from oomless.runtime.infer_jobs import infer_file
+from oomless.runtime.infer.core import InferOptions, encode_prompt, prompt_messages
+from oomless.runtime.infer.hf import HFBackend
+from oomless.runtime.infer.jobs import infer_file
 
 
 class Crash(RuntimeError):
@@ -174,9 +174,9 @@ def test_cli_infer(tiny_model, dataset, tmp_path, capsys) -> None:
 
 
 def test_gpu_batch_size_follows_the_memory_model() -> None:
-    from oomless.catalog import resolve_model
     from oomless.memory import estimate_generate
-    from oomless.runtime.infer_hf import FREE_MEMORY_MARGIN, batch_size_for
+    from oomless.models.catalog import resolve_model
+    from oomless.runtime.infer.hf import FREE_MEMORY_MARGIN, batch_size_for
     from oomless.units import GiB
 
     spec = resolve_model("qwen2.5-7b-instruct").spec

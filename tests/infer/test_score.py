@@ -10,16 +10,16 @@ from hypothesis import strategies as st
 from infer_fixtures import RECORDS, read_rows, write_jsonl
 
 from oomless.cli import main
+from oomless.dataset.records import RecordError
 from oomless.errors import ConfigError
-from oomless.runtime.data import RecordError
-from oomless.runtime.infer import (
+from oomless.runtime.infer.core import (
     DEFAULT_JUDGE_PROMPT,
     Generation,
     InferOptions,
     judge_messages,
     parse_score,
 )
-from oomless.runtime.infer_jobs import score_file
+from oomless.runtime.infer.jobs import score_file
 
 SCORED = [r for r in RECORDS if "output" in r] + [RECORDS[4]]
 

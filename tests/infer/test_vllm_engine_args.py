@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from oomless.catalog import resolve_model
 from oomless.cli import main
 from oomless.errors import ConfigError
-from oomless.hardware import get_gpu
-from oomless.runtime.infer import InferOptions
-from oomless.runtime.infer_vllm import ENGINE_CONTEXT_BYTES, engine_args, gpu_spec_for
+from oomless.models.catalog import resolve_model
+from oomless.models.hardware import get_gpu
+from oomless.runtime.infer.core import InferOptions
+from oomless.runtime.infer.vllm import ENGINE_CONTEXT_BYTES, engine_args, gpu_spec_for
 from oomless.units import GiB
 
 SPEC = resolve_model("qwen2.5-7b-instruct").spec
@@ -107,7 +107,7 @@ def _vllm_and_cuda() -> bool:
 def test_vllm_backend_runs_the_tiny_model(tiny_model: Path, tmp_path: Path) -> None:
     from infer_fixtures import RECORDS, read_rows, write_jsonl
 
-    from oomless.runtime.infer_jobs import infer_file
+    from oomless.runtime.infer.jobs import infer_file
 
     data = write_jsonl(tmp_path / "d.jsonl", RECORDS)
     out = tmp_path / "out.jsonl"

@@ -6,10 +6,10 @@ oomless/memory/*.py (and the comments here), not by running the code.
 
 import pytest
 
-from oomless.catalog import resolve_model
 from oomless.config import RunConfig
 from oomless.memory import estimate_training
-from oomless.spec import ModelSpec
+from oomless.models.catalog import resolve_model
+from oomless.models.spec import ModelSpec
 from oomless.units import MiB
 
 # V=1000, h=64, L=2, 4 heads / 2 kv heads of 16, I=128, gated, untied, no biases.

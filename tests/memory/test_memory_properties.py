@@ -3,9 +3,9 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oomless.catalog import list_models
 from oomless.config import RunConfig
 from oomless.memory import estimate_training
+from oomless.models.catalog import list_models
 
 MODELS = {e.name: e.spec for e in list_models()}
 BIG = sorted(n for n, s in MODELS.items() if s.param_count >= 6e9)

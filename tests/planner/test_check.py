@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
+from oomless.check import foreign_keys as K
+from oomless.check.checker import CheckOptions, check
 from oomless.cli import main
 from oomless.config import load_run_config
-from oomless.planner import foreign_keys as K
-from oomless.planner.check import CheckOptions, check
 
 GLM_SEED = """\
 data_config:

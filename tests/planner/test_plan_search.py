@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oomless.catalog import resolve_model
 from oomless.cli import main
 from oomless.config import RunConfig
-from oomless.hardware import parse_gpu_arg
 from oomless.memory import estimate_training
+from oomless.models.catalog import resolve_model
+from oomless.models.hardware import parse_gpu_arg
 from oomless.planner import PlanOptions, best_fit, build_request, plan_from_options, search
-from oomless.planner.evaluate import Evaluator
+from oomless.planner.candidates import batch_splits, families
 from oomless.planner.plan import _walk
-from oomless.planner.search import batch_splits, families
+from oomless.planner.scoring import Evaluator
 
 MODELS = ["qwen2.5-0.5b-instruct", "glm-4-9b", "qwen1.5-moe-a2.7b", "llava-1.5-7b", "phi-2"]
 
@@ -210,8 +210,8 @@ def test_flash_attention_support_table_agrees_with_transformers():
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
     )
 
-    from oomless.catalog import list_models
-    from oomless.planner.search import NO_FLASH_MODEL_TYPES
+    from oomless.models.catalog import list_models
+    from oomless.planner.candidates import NO_FLASH_MODEL_TYPES
 
     checked = 0
     for entry in list_models():

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from oomless.catalog import resolve_model
 from oomless.config import RunConfig
-from oomless.hardware import parse_gpu_arg
+from oomless.models.catalog import resolve_model
+from oomless.models.hardware import parse_gpu_arg
 from oomless.planner import PlanOptions, build_request, plan_from_options, search
-from oomless.planner.search import batch_splits
+from oomless.planner.candidates import batch_splits
 
 
 def _cfg(plan):

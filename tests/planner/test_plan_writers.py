@@ -18,13 +18,13 @@ import json
 import pytest
 import yaml
 
-from oomless.catalog import resolve_model
+from oomless.check import foreign_keys as K
+from oomless.check.readers import read_llamafactory
+from oomless.check.sources import Source
 from oomless.config import RunConfig, load_run_config
-from oomless.hardware import parse_gpu_arg
-from oomless.planner import foreign_keys as K
-from oomless.planner.formats import Source
+from oomless.models.catalog import resolve_model
+from oomless.models.hardware import parse_gpu_arg
 from oomless.planner.plan import KNOBS, _get
-from oomless.planner.readers import read_llamafactory
 from oomless.planner.writers import write_plan_files
 
 # vLLM EngineArgs fields (vllm/engine/arg_utils.py, dataclass EngineArgs), the ones

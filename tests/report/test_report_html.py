@@ -113,8 +113,8 @@ def test_report_leaves_torch_out(run_dir: Path) -> None:
 
 
 def test_reads_what_the_training_loop_writes(tmp_path: Path) -> None:
-    """The memory log written by oomless.runtime.memlog (train's writer), CPU and GPU shapes."""
-    from oomless.runtime.memlog import RunLog
+    """The memory log written by oomless.runtime.train.memlog (train's writer), CPU and GPU shapes."""
+    from oomless.runtime.train.memlog import RunLog
 
     log = RunLog(tmp_path)
     log.step({"step": 1, "loss": 2.0, "host_rss_bytes": 400 * 2**20,
@@ -142,7 +142,7 @@ def test_report_of_a_real_tiny_training_run(tmp_path: Path) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from oomless.config import RunConfig
     from oomless.runtime.tiny import build_tiny_model, demo_data_path
-    from oomless.runtime.train import train
+    from oomless.runtime.train.loop import train
 
     model = build_tiny_model(tmp_path / "tiny")
     cfg = RunConfig.model_validate({

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from oomless.allocator import AllocatorConfig
-from oomless.catalog import ResolvedModel
 from oomless.config import RunConfig
 from oomless.errors import ConfigError, GPUUnavailableError
-from oomless.hf_config import buildable_hf_config, spec_from_hf_config
-from oomless.runtime.measure import measure_cpu_stats, measure_training
-from oomless.runtime.trace import trace_once, trace_training
+from oomless.models.catalog import ResolvedModel
+from oomless.models.hf_config import buildable_hf_config, spec_from_hf_config
+from oomless.runtime.trace.fake import trace_once, trace_training
+from oomless.runtime.trace.measure import measure_cpu_stats, measure_training
 
 
 def tiny(model_type: str, **extra) -> dict:
@@ -72,7 +72,7 @@ def test_measure_rejects_bad_requests():
     no_class = ResolvedModel(spec=model.spec, hf_config=None, source="test")
     with pytest.raises(ConfigError, match="no transformers class"):
         measure_training(cfg, resolved=no_class, device="cpu")
-    from oomless.catalog import resolve_model
+    from oomless.models.catalog import resolve_model
 
     with pytest.raises(ConfigError, match="meant for small models"):  # refused before building
         measure_training(cfg, resolved=resolve_model("llama-2-7b"), device="cpu")

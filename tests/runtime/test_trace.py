@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from oomless.allocator import AllocatorConfig
-from oomless.catalog import ResolvedModel
 from oomless.config import RunConfig
-from oomless.hf_config import buildable_hf_config, spec_from_hf_config
+from oomless.models.catalog import ResolvedModel
+from oomless.models.hf_config import buildable_hf_config, spec_from_hf_config
 from oomless.result import MemoryEstimate
-from oomless.runtime.analysis import extrapolate
-from oomless.runtime.trace import LayerPlan, plan_layers, trace_once, trace_training
+from oomless.runtime.trace.analysis import extrapolate
+from oomless.runtime.trace.fake import LayerPlan, plan_layers, trace_once, trace_training
 
 
 def tiny(model_type: str = "qwen2", layers: int = 2, **extra) -> dict:

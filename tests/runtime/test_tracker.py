@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from oomless.allocator import ALLOC, FREE
-from oomless.runtime.cuda_emulation import (
+from oomless.runtime.trace.cuda_emulation import (
     CUBLAS_WORKSPACE_BYTES,
     CUBLAS_WORKSPACE_SM90_BYTES,
     CUBLASLT_WORKSPACE_BYTES,
     CudaEmulation,
     cublas_workspace_bytes,
 )
-from oomless.runtime.tracker import (
+from oomless.runtime.trace.storage_tracker import (
     ACTIVATIONS,
     GRADIENTS,
     TEMPORARIES,

@@ -20,7 +20,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
-    from oomless.runtime.data import load_tokenizer
+    from oomless.dataset.records import load_tokenizer
 
     return load_tokenizer(str(tiny_model_dir))
 

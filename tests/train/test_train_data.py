@@ -7,14 +7,14 @@ import json
 import pytest
 
 from oomless.config import DataConfig
-from oomless.errors import DataError
-from oomless.runtime.data import (
+from oomless.dataset.records import (
     IGNORE_INDEX,
     load_examples,
     pack_examples,
     record_to_messages,
     token_length_stats,
 )
+from oomless.errors import DataError
 from oomless.runtime.tiny import demo_data_path
 
 

@@ -11,8 +11,8 @@ import torch
 from train_helpers import trained_state
 
 from oomless.config import dump_run_config
-from oomless.runtime.memlog import read_events, read_steps
-from oomless.runtime.train import train
+from oomless.runtime.train.loop import train
+from oomless.runtime.train.memlog import read_events, read_steps
 
 
 def _torchrun(cfg_path, nproc=2, extra=()):
@@ -144,7 +144,7 @@ def test_deepspeed_json_is_accepted_by_deepspeed(run_config):
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from oomless.runtime.engines import deepspeed_config
+    from oomless.runtime.train.engines import deepspeed_config
 
     cfg = run_config(zero=3, offload="optimizer", precision="bf16", micro_batch_size=2)
     parsed = DeepSpeedConfig(deepspeed_config(cfg, world_size=1))  # world 1 outside a group

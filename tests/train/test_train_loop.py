@@ -7,8 +7,8 @@ import json
 import pytest
 
 from oomless.errors import ConfigError
-from oomless.runtime.memlog import read_steps
-from oomless.runtime.train import train
+from oomless.runtime.train.loop import train
+from oomless.runtime.train.memlog import read_steps
 
 STEP_KEYS = {"step", "loss", "lr", "tokens", "step_time_s", "tokens_per_s", "host_rss_bytes",
              "predicted_peak_bytes", "micro_batch_size", "grad_accum", "samples"}
@@ -108,8 +108,8 @@ def _big_batch_config(run_config, tmp_path):
 
 def test_preflight_stops_before_loading_weights_with_the_best_plan(run_config, tmp_path,
                                                                    monkeypatch):
-    from oomless.runtime import train as train_module
-    from oomless.runtime.preflight import PreflightError
+    from oomless.runtime.train import loop as train_module
+    from oomless.runtime.train.preflight import PreflightError
 
     def never(*args, **kwargs):
         raise AssertionError("weights loaded before the preflight")
@@ -122,7 +122,7 @@ def test_preflight_stops_before_loading_weights_with_the_best_plan(run_config, t
 
 def test_auto_fit_applies_the_plan_and_keeps_the_effective_batch(run_config, tmp_path):
     from oomless.config import load_run_config
-    from oomless.runtime.memlog import read_events
+    from oomless.runtime.train.memlog import read_events
 
     result = train(_big_batch_config(run_config, tmp_path), auto_fit=True)
     (event,) = [e for e in read_events(result.run_dir) if e["event"] == "auto_fit"]
@@ -135,7 +135,7 @@ def test_auto_fit_applies_the_plan_and_keeps_the_effective_batch(run_config, tmp
 
 
 def test_preflight_without_a_gpu_says_it_did_not_check(tiny_model_dir, run_config):
-    from oomless.runtime.preflight import run_preflight
+    from oomless.runtime.train.preflight import run_preflight
 
     pre = run_preflight(run_config(), tiny_model_dir)
     assert pre.fits is None and "not checked" in pre.note
@@ -212,7 +212,7 @@ def test_model_id_from_the_local_hf_cache_offline(run_config, tiny_model_dir, tm
     (cache / "models--tiny-org--tiny-qwen2" / "refs" / "main").write_text("0" * 40)
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(cache))
     result = train(run_config(model="tiny-org/tiny-qwen2", **{"training.max_steps": 1}))
-    from oomless.runtime.memlog import read_events
+    from oomless.runtime.train.memlog import read_events
 
     events = [e["event"] for e in read_events(result.run_dir)]
     assert events[0] == "start" and events[-1] == "finish" and result.steps == 1

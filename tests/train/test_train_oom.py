@@ -8,9 +8,9 @@ import pytest
 import torch
 from train_helpers import trained_state
 
-from oomless.runtime.memlog import read_events, read_steps
-from oomless.runtime.oom import TrainingOOMError
-from oomless.runtime.train import train
+from oomless.runtime.train.loop import train
+from oomless.runtime.train.memlog import read_events, read_steps
+from oomless.runtime.train.oom import TrainingOOMError
 
 STEPS = {"training.max_steps": 5}
 

@@ -10,9 +10,9 @@ import torch
 from train_helpers import trained_state
 
 from oomless.errors import ConfigError
-from oomless.runtime.checkpoint import latest_checkpoint, read_state
-from oomless.runtime.memlog import read_steps
-from oomless.runtime.train import TrainingInterrupted, train
+from oomless.runtime.train.checkpoint import latest_checkpoint, read_state
+from oomless.runtime.train.loop import TrainingInterrupted, train
+from oomless.runtime.train.memlog import read_steps
 
 # LoRA dropout > 0 so that the restored RNG state matters
 SETTINGS = {"training.max_steps": 7, "lora.dropout": 0.1, "training.lr_scheduler": "cosine",

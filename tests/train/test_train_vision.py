@@ -7,9 +7,9 @@ import json
 import pytest
 
 from oomless.config import DataConfig
+from oomless.dataset.records import IGNORE_INDEX, load_examples
 from oomless.errors import DataError
-from oomless.runtime.data import IGNORE_INDEX, load_examples
-from oomless.runtime.train import train
+from oomless.runtime.train.loop import train
 
 COLORS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
 
@@ -37,7 +37,7 @@ def image_data(tmp_path):
 
 
 def _vision(tiny_vlm):
-    from oomless.runtime.vision import load_processor
+    from oomless.dataset.vision import load_processor
 
     return load_processor(tiny_vlm)
 

@@ -55,7 +55,7 @@ def _is_run_file(text: str) -> bool:
 def run_config_from_args(args: argparse.Namespace):
     """RunConfig from an optional YAML plus the flags the user gave."""
     from ..config import build_run_config, load_yaml_with_lines, set_dotted
-    from ..hardware import parse_gpu_arg
+    from ..models.hardware import parse_gpu_arg
 
     data: dict[str, Any]
     lines: dict[str, int] = {}

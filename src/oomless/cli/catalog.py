@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_models(args: argparse.Namespace) -> int:
     import json
 
-    from ..catalog import list_models
+    from ..models.catalog import list_models
     from ..units import fmt_count
 
     entries = list_models()
@@ -55,7 +55,7 @@ def _model_row(entry) -> dict:
 def run_gpus(args: argparse.Namespace) -> int:
     import json
 
-    from ..hardware import gpu_catalog
+    from ..models.hardware import gpu_catalog
     from ..units import fmt_bytes
 
     gpus = list(gpu_catalog().values())

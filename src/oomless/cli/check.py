@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..planner.check import CheckOptions, check
+    from ..check.checker import CheckOptions, check
 
     result = check(CheckOptions(
         files=tuple(args.files), gpu=args.gpu, nodes=args.nodes, model=args.model,

@@ -38,7 +38,7 @@ def _run(args: argparse.Namespace) -> int:
     render_estimate(estimate_demo(files))
     out.print(f"\n[bold]2/3 train[/]: LoRA, {DEMO_STEPS} steps on the CPU; an OOM is injected "
               f"at step {OOM_STEP} (micro batch 4 -> 2, same samples, same effective batch)")
-    from ..runtime.train import train
+    from ..runtime.train.loop import train
 
     result = train(files.config, progress=True)
     render_summary(out, result)

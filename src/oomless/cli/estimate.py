@@ -51,9 +51,9 @@ def _inference(args: argparse.Namespace, cfg) -> int:
     import json
 
     from ..api import cluster_for
-    from ..catalog import resolve_model
     from ..errors import ConfigError
     from ..memory import estimate_generate, vllm_budget
+    from ..models.catalog import resolve_model
     from ..units import fmt_bytes
 
     spec = resolve_model(cfg.model).spec

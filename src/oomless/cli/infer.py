@@ -72,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _options(args: argparse.Namespace):
-    from ..runtime.infer import InferOptions
+    from ..runtime.infer.core import InferOptions
 
     return InferOptions(
         model=args.model, adapter=args.adapter, backend=args.backend,
@@ -96,10 +96,10 @@ def _need_files(args: argparse.Namespace) -> None:
 def _print_engine_args(args: argparse.Namespace, opts) -> int:
     import json
 
-    from ..catalog import resolve_model
     from ..errors import GPUUnavailableError
-    from ..hardware import get_gpu
-    from ..runtime.infer_vllm import device_memory, engine_args, gpu_spec_for
+    from ..models.catalog import resolve_model
+    from ..models.hardware import get_gpu
+    from ..runtime.infer.vllm import device_memory, engine_args, gpu_spec_for
     from ..units import GiB, fmt_bytes
 
     if args.gpu:
@@ -145,7 +145,7 @@ def _summary_line(summary) -> str:
 
 
 def _run_infer(args: argparse.Namespace) -> int:
-    from ..runtime.infer_jobs import infer_file
+    from ..runtime.infer.jobs import infer_file
 
     opts = _options(args)
     if args.engine_args:
@@ -158,8 +158,8 @@ def _run_infer(args: argparse.Namespace) -> int:
 
 
 def _run_score(args: argparse.Namespace) -> int:
-    from ..runtime.infer import DEFAULT_JUDGE_PROMPT, check_judge_template
-    from ..runtime.infer_jobs import score_file
+    from ..runtime.infer.core import DEFAULT_JUDGE_PROMPT, check_judge_template
+    from ..runtime.infer.jobs import score_file
 
     opts = _options(args)
     if args.engine_args:

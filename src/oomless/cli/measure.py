@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from .trace import alloc_conf_from_args
 
     cfg = run_config_from_args(args)
-    from ..runtime.measure import measure_training
+    from ..runtime.trace.measure import measure_training
 
     est = measure_training(cfg, cluster_for(cfg), device=args.device, steps=args.steps,
                            alloc_conf=alloc_conf_from_args(args))

@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..planner import PlanOptions, plan, request_from_options
-    from ..planner.api import write_best
+    from ..planner.options import write_best
 
     opts = PlanOptions(
         model=args.model, gpu=args.gpu, nodes=args.nodes, data=args.data, seq_len=args.seq_len,

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from ._options import run_config_from_args
 
     cfg = run_config_from_args(args)
-    from ..runtime.trace import trace_training
+    from ..runtime.trace.fake import trace_training
 
     est = trace_training(cfg, cluster_for(cfg), full=args.full,
                          alloc_conf=alloc_conf_from_args(args))

@@ -50,7 +50,7 @@ def quiet_libraries() -> None:
 
 
 def render_summary(out: Any, result: Any) -> None:
-    from ..runtime.memlog import read_events
+    from ..runtime.train.memlog import read_events
     from ..units import fmt_bytes
 
     losses = result.losses
@@ -82,12 +82,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.output_dir:
         cfg = cfg.replace(**{"training.output_dir": args.output_dir})
     if cfg.world_size > 1 and "WORLD_SIZE" not in os.environ:
-        from ..runtime.launch import launch
+        from ..runtime.train.launch import launch
 
         return launch(cfg, args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     quiet_libraries()
-    from ..runtime.train import train
+    from ..runtime.train.loop import train
     from ._render import console
 
     out = console()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import RunConfig
-from ..hardware import Cluster
+from ..models.hardware import Cluster
 from ..units import fmt_bytes
 from .causes import Situation, classify
 from .events import (
@@ -231,7 +231,7 @@ def diagnose_text(text: str, cfg: RunConfig | None = None, cluster: Cluster | No
     notes.extend(context_notes(log.text))
     spec = None
     if cfg is not None:
-        from ..catalog import resolve_model
+        from ..models.catalog import resolve_model
 
         spec = resolve_model(cfg.model).spec
     totals = [int(e.numbers["total_bytes"]) for e in events if e.numbers.get("total_bytes")]

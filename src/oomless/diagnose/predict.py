@@ -13,8 +13,8 @@ from typing import Any
 
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..hardware import Cluster, GPUSpec, gpu_catalog, parse_gpu_arg
-from ..spec import ModelSpec
+from ..models.hardware import Cluster, GPUSpec, gpu_catalog, parse_gpu_arg
+from ..models.spec import ModelSpec
 from ..units import fmt_bytes
 
 # A catalog GPU whose memory is within this fraction of the printed total is that GPU.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..spec import ModelSpec
+from ..models.spec import ModelSpec
 from . import constants as C
 from .precision import Dtypes
 

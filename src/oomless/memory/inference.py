@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..hardware import GPUSpec
-from ..spec import ModelSpec
+from ..models.hardware import GPUSpec
+from ..models.spec import ModelSpec
 from ..units import GiB, MiB
 from . import constants as C
 from .training import kv_cache_bytes

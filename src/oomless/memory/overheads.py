@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ..config import RunConfig
-from ..hardware import Cluster
+from ..models.hardware import Cluster
+from ..models.spec import ModelSpec
 from ..result import MemoryEstimate
-from ..spec import ModelSpec
 from . import constants as C
 
 

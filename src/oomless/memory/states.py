@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..spec import LinearSpec, ModelSpec
+from ..models.spec import LinearSpec, ModelSpec
 from . import constants as C
 from .precision import Dtypes
 

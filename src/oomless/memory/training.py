@@ -9,9 +9,9 @@ states (step ≥ 2), as in any real run after the first step.
 from __future__ import annotations
 
 from ..config import RunConfig
-from ..hardware import Cluster
+from ..models.hardware import Cluster
+from ..models.spec import ModelSpec
 from ..result import MemoryEstimate
-from ..spec import ModelSpec
 from . import constants as C
 from .activations import LayerPlan, layer_activation_bytes
 from .overheads import finish_estimate

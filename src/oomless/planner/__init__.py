@@ -8,10 +8,10 @@ configurations people already have.
 ``best_fit(cfg, cluster)`` is what ``oomless train``'s preflight calls.
 """
 
-from .api import PlanOptions, best_fit, plan_from_options, request_from_options
+from .candidates import PlanRequest
+from .options import PlanOptions, best_fit, plan_from_options, request_from_options
 from .plan import Plan, PlanResult, search
 from .request import build_request
-from .search import PlanRequest
 from .suggest import plan
 
 __all__ = ["Plan", "PlanOptions", "PlanRequest", "PlanResult", "best_fit", "build_request",

@@ -2,7 +2,7 @@
 
 With the model's tokenizer on this machine (a local model folder, or the
 model in the local Hugging Face cache) the records are tokenized exactly as
-``oomless train`` does (oomless.runtime.data: chat template, masking). Without
+``oomless train`` does (oomless.dataset.records: chat template, masking). Without
 it, lengths are approximated from the text: one token per CJK character and
 one per 4 other characters (the usual rule of thumb for Latin-script BPE
 vocabularies), plus 4 tokens of chat-template markup per message and 3 per
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
-from ..spec import ModelSpec
+from ..models.spec import ModelSpec
 from .speed import TokenLoad
 
 CHARS_PER_TOKEN = 4  # Latin-script text, BPE vocabularies of 32k–150k tokens
@@ -66,7 +66,7 @@ class DataProfile:
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def percentile(self, q: float) -> int:
-        """Nearest-rank percentile (as oomless.runtime.data does)."""
+        """Nearest-rank percentile (as oomless.dataset.records does)."""
         n = len(self.lengths)
         return self.lengths[min(n - 1, max(0, math.ceil(q * n / 100) - 1))]
 
@@ -81,7 +81,7 @@ class DataProfile:
 
     def rows(self, length: int, packing: bool) -> tuple[list[int], list[int]]:
         """(row lengths, Σ segment² per row): samples, or greedy packed rows as
-        oomless.runtime.data.pack_examples builds them (consecutive, in file order)."""
+        oomless.dataset.records.pack_examples builds them (consecutive, in file order)."""
         key = ("rows", length, packing)
         if key not in self._cache:
             capped = [min(x, length) for x in (self.file_order or self.lengths)]
@@ -163,7 +163,7 @@ def _record_images(record: Any) -> tuple[Any, int]:
 
 
 def _approx_lengths(path: str, fmt: str) -> tuple[list[int], list[int], int]:
-    from ..runtime.data import RecordError, iter_raw_records, record_to_messages
+    from ..dataset.records import RecordError, iter_raw_records, record_to_messages
 
     lengths: list[int] = []
     images: list[int] = []
@@ -209,7 +209,7 @@ def local_tokenizer_dir(resolved: Any) -> str | None:
 
 def _tokenizer_lengths(path: str, folder: str, fmt: str) -> tuple[list[int], int]:
     from ..config import DataConfig
-    from ..runtime.data import load_examples, load_tokenizer
+    from ..dataset.records import load_examples, load_tokenizer
 
     tok = load_tokenizer(folder)
     data = DataConfig(format=fmt, on_bad_record="skip")

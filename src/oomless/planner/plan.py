@@ -1,6 +1,6 @@
 """The planner: search, rank, and explain.
 
-``search(spec, request)`` walks every candidate family (oomless.planner.search),
+``search(spec, request)`` walks every candidate family (oomless.planner.candidates),
 keeps the configurations that fit, ranks them and, for every family group
 (method × ZeRO/offload) where nothing fits, keeps the nearest miss and by how
 much it misses. The result is a frozen, JSON-serialisable PlanResult.
@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..config import RunConfig
-from ..spec import ModelSpec
-from .evaluate import Evaluator, Fit
-from .search import SEARCH_ASSUMPTIONS, PlanRequest, batch_splits, families
+from ..models.spec import ModelSpec
+from .candidates import SEARCH_ASSUMPTIONS, PlanRequest, batch_splits, families
+from .scoring import Evaluator, Fit
 from .speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
 from .speed import StepTime
 

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..hardware import Cluster
-from ..spec import ModelSpec
-from .search import KNOBS, PlanRequest
+from ..models.hardware import Cluster
+from ..models.spec import ModelSpec
+from .candidates import KNOBS, PlanRequest
 
 DEFAULT_EFFECTIVE_BATCH = 16
 # Host RAM per node when not stated: 1.5 × the node's GPU memory, at least

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import RunConfig
-from ..hardware import Cluster, GPUSpec
-from ..spec import ModelSpec
+from ..models.hardware import Cluster, GPUSpec
+from ..models.spec import ModelSpec
 
 # --- utilisation ------------------------------------------------------------------
 # Model-FLOPs utilisation an HF Trainer fine-tune reaches with large micro

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..hardware import Cluster, gpu_catalog
-from ..spec import ModelSpec
+from ..models.hardware import Cluster, gpu_catalog
+from ..models.spec import ModelSpec
 from ..units import fmt_bytes
+from .candidates import PlanRequest
 from .plan import PlanResult, search
 from .request import build_request
-from .search import PlanRequest
 
 MAX_GPU_TRIES = 3  # bigger cards searched, smallest first
 GPU_COUNTS = (2, 4, 8, 16, 32, 64)

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig, dump_run_config
-from ..hardware import Cluster
-from ..spec import ModelSpec
+from ..models.hardware import Cluster
+from ..models.spec import ModelSpec
 
 # HF TrainingArguments `optim` names (transformers OptimizerNames)
 HF_OPTIM = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit",

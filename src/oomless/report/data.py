@@ -261,7 +261,7 @@ def _gpu_memory(estimate: MemoryEstimate | None, config: dict[str, Any]) -> int 
     if not gpu:
         return None
     from ..errors import UnknownGPUError
-    from ..hardware import get_gpu
+    from ..models.hardware import get_gpu
 
     try:
         return get_gpu(str(gpu)).memory_bytes

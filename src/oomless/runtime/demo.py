@@ -65,8 +65,8 @@ def prepare_demo(out_dir: str | Path) -> DemoFiles:
 
 def estimate_demo(files: DemoFiles) -> Any:
     """The analytic per-GPU estimate of the demo run (a MemoryEstimate)."""
-    from ..catalog import resolve_model
     from ..memory import estimate_training
+    from ..models.catalog import resolve_model
 
     return estimate_training(resolve_model(str(files.model_dir)).spec, files.config)
 

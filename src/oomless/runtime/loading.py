@@ -28,7 +28,7 @@ def offline_env() -> None:
 
 
 def _catalog_hf_id(name: str) -> str | None:
-    from ..catalog import find_entry
+    from ..models.catalog import find_entry
 
     entry = find_entry(name)
     return entry.hf_id if entry else None
@@ -122,7 +122,7 @@ def load_model(cfg: RunConfig, device: Any) -> tuple[Any, Path]:
                               "trust_remote_code": cfg.training.trust_remote_code}
     if quant is not None:
         kwargs.update(quantization_config=quant, device_map={"": device.index or 0})
-    from .vision import is_vision_model
+    from ..dataset.vision import is_vision_model
 
     if is_vision_model(model_dir):
         from transformers import AutoModelForImageTextToText as AutoModel

@@ -1,0 +1,212 @@
+"""The built-in model catalog and model-name resolution (torch-free).
+
+Entries live in ``oomless/data/models.json``: a canonical name, aliases, the
+Hugging Face id, and the model's released ``config.json`` content with the
+place it was copied from (``source``). A catalog ModelSpec is derived from that
+stored config by :func:`oomless.models.hf_config.spec_from_hf_config`, the same code
+path a user's own config.json takes.
+
+:func:`resolve_model` turns what a user typed into a spec, in this order:
+catalog name or alias (case-insensitive), a local config.json file or model
+folder, a model id in the local Hugging Face cache (offline).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import re
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..errors import UnknownModelError
+from .hf_config import buildable_hf_config, config_path_for, read_config_file, spec_from_hf_config
+from .spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """One built-in model: names, where its config came from, and the config itself."""
+
+    name: str  # canonical, lower-case: "qwen2.5-7b-instruct"
+    hf_id: str  # "Qwen/Qwen2.5-7B-Instruct"
+    aliases: tuple[str, ...]
+    source: str  # where the stored config.json content was copied from
+    family: str = ""
+    published_params: int | None = None  # the count the model card/paper states, if stated exactly
+    notes: str = ""
+    _config_json: str = field(default="{}", repr=False)  # kept as text: the entry stays immutable
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """A fresh copy of the stored config.json content."""
+        return json.loads(self._config_json)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return _spec_for(self.name)
+
+    @property
+    def hf_config(self) -> dict[str, Any] | None:
+        """The config transformers can build the model from (see buildable_hf_config)."""
+        return buildable_hf_config(self.config)
+
+    def to_dict(self) -> dict[str, Any]:
+        spec = self.spec
+        return {
+            "name": self.name,
+            "hf_id": self.hf_id,
+            "aliases": list(self.aliases),
+            "family": self.family,
+            "model_type": spec.model_type,
+            "param_count": spec.param_count,
+            "active_param_count": spec.active_param_count,
+            "vision": spec.vision is not None,
+            "moe": spec.is_moe,
+            "source": self.source,
+            "notes": self.notes,
+        }
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """What a model argument resolved to.
+
+    ``hf_config``: the config dict transformers can build the real model from
+    (``AutoConfig.for_model(**hf_config)``), for the tracer and trainer; None
+    where transformers has no class for it (GLM-4V, MoE-LLaVA remote code).
+    ``original_config``: the config.json content as read (or as stored in the catalog).
+    ``source``: "catalog:NAME", "file:PATH" or "hf-cache:PATH".
+    """
+
+    spec: ModelSpec
+    hf_config: dict[str, Any] | None
+    source: str
+    original_config: dict[str, Any] | None = None
+    entry: CatalogEntry | None = None
+
+
+def _key(text: str) -> str:
+    """Case- and separator-insensitive lookup key ("Qwen2.5 7B" == "qwen2.5-7b")."""
+    return re.sub(r"[\s_]+", "-", text.strip().lower())
+
+
+@lru_cache(maxsize=1)
+def _entries() -> dict[str, CatalogEntry]:
+    raw = json.loads(resources.files("oomless.data").joinpath("models.json").read_text("utf-8"))
+    out: dict[str, CatalogEntry] = {}
+    for item in raw["models"]:
+        entry = CatalogEntry(
+            name=item["name"],
+            hf_id=item["hf_id"],
+            aliases=tuple(item.get("aliases", ())),
+            source=item["source"],
+            family=item.get("family", ""),
+            published_params=item.get("published_params"),
+            notes=item.get("notes", ""),
+            _config_json=json.dumps(item["config"], sort_keys=True),
+        )
+        if entry.name in out:
+            raise ValueError(f"models.json: duplicate name {entry.name}")
+        out[entry.name] = entry
+    return out
+
+
+@lru_cache(maxsize=1)
+def _index() -> dict[str, str]:
+    """lookup key -> canonical name, over names, aliases, hf ids and their last path part."""
+    index: dict[str, str] = {}
+    for entry in _entries().values():
+        keys = {entry.name, entry.hf_id, entry.hf_id.split("/")[-1], *entry.aliases}
+        for key in keys:
+            norm = _key(key)
+            owner = index.setdefault(norm, entry.name)
+            if owner != entry.name:
+                raise ValueError(f"models.json: alias '{key}' names both {owner} and {entry.name}")
+    return index
+
+
+@lru_cache(maxsize=256)
+def _spec_for(name: str) -> ModelSpec:
+    entry = _entries()[name]
+    spec = spec_from_hf_config(entry.config, entry.name, where=f"catalog entry '{entry.name}'")
+    return replace(spec, aliases=entry.aliases)
+
+
+def list_models() -> list[CatalogEntry]:
+    """All catalog entries, in catalog order."""
+    return list(_entries().values())
+
+
+def find_entry(text: str) -> CatalogEntry | None:
+    """The entry a name, alias or hf id names (case-insensitive), or None."""
+    name = _index().get(_key(text))
+    return _entries()[name] if name else None
+
+
+def get_entry(name: str) -> CatalogEntry:
+    entry = find_entry(name)
+    if entry is None:
+        raise _unknown(name)
+    return entry
+
+
+def close_names(text: str, n: int = 5) -> list[str]:
+    """Catalog names closest to ``text`` (difflib over names and aliases)."""
+    index = _index()
+    close = difflib.get_close_matches(_key(text), list(index), n=n * 3, cutoff=0.5)
+    names: list[str] = []
+    for key in close:
+        if index[key] not in names:
+            names.append(index[key])
+    return names[:n]
+
+
+def _unknown(text: str) -> UnknownModelError:
+    names = close_names(text)
+    hint = f" Closest catalog names: {', '.join(names)}." if names else ""
+    return UnknownModelError(
+        f"unknown model '{text}': not a catalog name or alias, not a local config.json or "
+        f"model folder, and not a model id in the local Hugging Face cache.{hint} "
+        "Pass a catalog name (`oomless models` lists them), a path to a config.json or a "
+        "model folder, or download the model first (oomless works offline)."
+    )
+
+
+def resolve_model(text: str) -> ResolvedModel:
+    """Resolve a model argument: catalog name/alias, local file/folder, or HF-cache id."""
+    entry = find_entry(text)
+    if entry is not None:
+        return ResolvedModel(
+            spec=entry.spec,
+            hf_config=entry.hf_config,
+            source=f"catalog:{entry.name}",
+            original_config=entry.config,
+            entry=entry,
+        )
+    path = config_path_for(text)
+    if path is None:
+        raise _unknown(text)
+    config = read_config_file(path)
+    in_cache = not Path(text).expanduser().exists()
+    name = text if in_cache else _name_from_path(path)
+    spec = spec_from_hf_config(config, name, where=str(path))
+    return ResolvedModel(
+        spec=spec,
+        hf_config=buildable_hf_config(config),
+        source=f"{'hf-cache' if in_cache else 'file'}:{path}",
+        original_config=copy.deepcopy(config),
+    )
+
+
+def _name_from_path(path: Path) -> str:
+    """A readable model name for a config file: its folder, or the HF-cache repo name."""
+    parts = path.resolve().parts
+    for part in parts:
+        if part.startswith("models--"):
+            return part.removeprefix("models--").replace("--", "/")
+    return path.parent.name or path.stem

@@ -1,0 +1,158 @@
+"""The training step that ``trace`` and ``measure`` run: HF Trainer's, written out.
+
+What HF Trainer (with accelerate) does per optimizer step, with the same
+library calls: the model's forward under ``torch.autocast`` with accelerate's
+``convert_outputs_to_fp32`` around it (accelerate.Accelerator.prepare_model
+for bf16/fp16 mixed precision), the loss taken from the outputs and the
+outputs dropped before backward (Trainer.compute_loss returns the loss only),
+``loss.backward()`` (through a GradScaler for fp16), gradient clipping at
+``training.max_grad_norm``, ``optimizer.step()`` and
+``zero_grad(set_to_none=True)``. AdamW is torch's fused implementation
+(transformers' default ``adamw_torch_fused``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...config import RunConfig
+from ..build import autocast_dtype
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: RunConfig, device_type: str) -> Any:
+    """The optimizer HF Trainer builds for ``cfg.optimizer`` (TrainingArguments.optim)."""
+    lr, wd = cfg.training.learning_rate, cfg.training.weight_decay
+    opt = cfg.optimizer
+    if opt in ("adamw", "paged-adamw"):
+        # paged-adamw: bitsandbytes keeps the same fp32 states in CUDA unified memory;
+        # a trace counts them outside PyTorch's allocator (category paged_optimizer)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, fused=True)
+    if opt in ("adamw-8bit", "paged-adamw-8bit"):
+        if device_type != "cuda":
+            raise NotImplementedError("8-bit AdamW runs only on CUDA (bitsandbytes kernels)")
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.PagedAdamW8bit if opt.startswith("paged") else bnb.optim.AdamW8bit
+        return cls(params, lr=lr, weight_decay=wd)
+    if opt == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=wd)
+    if opt == "sgd-momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=wd)
+    if opt == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, scale_parameter=False, relative_step=False, warmup_init=False,
+                         lr=lr, weight_decay=wd)
+    raise ValueError(f"unknown optimizer {opt!r}")
+
+
+def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    out = []
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+    return out
+
+
+def vocab_size_of(model: torch.nn.Module) -> int:
+    return model.get_input_embeddings().num_embeddings
+
+
+def make_batch(model: torch.nn.Module, batch: int, seq: int, device: str) -> dict[str, torch.Tensor]:
+    """Full-length samples, no padding: no attention mask (all ones), so
+    transformers drops the mask and SDPA runs causal flash attention."""
+    vocab = vocab_size_of(model)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _noop(name: str, iteration: int) -> None:
+    return None
+
+
+def training_forward(model: torch.nn.Module, cfg: RunConfig) -> Callable[..., Any]:
+    """The model's forward as accelerate wraps it for mixed precision."""
+    if autocast_dtype(cfg) is None:
+        return model.forward
+    from accelerate.utils import convert_outputs_to_fp32
+
+    return convert_outputs_to_fp32(model.forward)
+
+
+def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Tensor], *,
+              device_type: str, iterations: int = 2,
+              on_phase: Callable[[str, int], None] = _noop,
+              on_grads: Callable[[list[torch.nn.Parameter]], None] | None = None,
+              on_states: Callable[[Any], None] | None = None,
+              eval_batch: dict[str, torch.Tensor] | None = None) -> list[float]:
+    """``iterations`` optimizer steps; returns the losses. ``on_grads`` gets the trained
+    parameters after backward, ``on_states`` the optimizer after its step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, cfg, device_type)
+    scaler = torch.amp.GradScaler(device_type) if cfg.precision == "fp16" else None
+    forward = training_forward(model, cfg)
+    losses: list[float] = []
+    # with gradient accumulation, a second micro batch runs while the first one's
+    # gradients are held: two micro batches show every state a longer run reaches
+    micro_batches = min(cfg.grad_accum, 2)
+    for it in range(iterations):
+        for _ in range(micro_batches):
+            losses.append(_micro_step(forward, batch, cfg, device_type, scaler, on_phase, it))
+        if on_grads:
+            on_grads(params)
+        on_phase("optimizer", it)
+        _optimizer_step(optimizer, params, cfg, scaler)
+        if on_states:
+            on_states(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+    if eval_batch is not None:
+        on_phase("evaluation", iterations)
+        evaluate(model, cfg, eval_batch, device_type)
+    return losses
+
+
+def _micro_step(forward: Callable[..., Any], batch: dict[str, torch.Tensor], cfg: RunConfig,
+                device_type: str, scaler: Any, on_phase: Callable[[str, int], None],
+                iteration: int) -> Any:
+    """Forward (autocast) and backward of one micro batch; the loss, detached."""
+    ac = autocast_dtype(cfg)
+    on_phase("forward", iteration)
+    with torch.autocast(device_type, dtype=ac or torch.bfloat16, enabled=ac is not None):
+        outputs = forward(**batch)
+    loss = outputs.loss / cfg.grad_accum  # Trainer scales the loss for accumulation
+    del outputs
+    on_phase("backward", iteration)
+    (scaler.scale(loss) if scaler else loss).backward()
+    return loss.detach()
+
+
+def _optimizer_step(optimizer: Any, params: list[torch.nn.Parameter], cfg: RunConfig,
+                    scaler: Any) -> None:
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if cfg.training.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(params, cfg.training.max_grad_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+
+
+def evaluate(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Tensor],
+             device_type: str) -> None:
+    """Trainer.prediction_step without generation: a no-grad forward with labels."""
+    ac = autocast_dtype(cfg)
+    model.eval()
+    try:
+        with torch.no_grad(), torch.autocast(device_type, dtype=ac or torch.bfloat16,
+                                             enabled=ac is not None):
+            outputs = training_forward(model, cfg)(**batch)
+        del outputs
+    finally:
+        model.train()
