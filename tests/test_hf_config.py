@@ -14,12 +14,10 @@ from hypothesis import strategies as st
 
 from oomless.errors import ModelConfigError, UnknownModelError
 from oomless.models.catalog import get_entry
+from oomless.models.hf_cache import find_cached_config, load_hf_config, locate_hf_config
 from oomless.models.hf_config import (
     buildable_hf_config,
     chatglm_to_glm,
-    find_cached_config,
-    load_hf_config,
-    locate_hf_config,
     spec_from_hf_config,
 )
 from oomless.models.spec import ModelSpec

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .config import RunConfig
 from .errors import ConfigError
 from .models.catalog import resolve_model
@@ -36,13 +38,24 @@ def check_host_ram(est: MemoryEstimate, cluster: Cluster | None) -> None:
         )
 
 
-def estimate(cfg: RunConfig, expandable_segments: bool = False) -> MemoryEstimate:
-    """Analytic estimate of a run configuration (model resolved from the catalog,
-    a local config.json/folder, or the local Hugging Face cache)."""
+_FROM_CONFIG: Any = object()  # sentinel: the cluster that cfg.hardware names
+
+
+def estimate(cfg: RunConfig, expandable_segments: bool = False, *, model: str | None = None,
+             cluster: Cluster | None = _FROM_CONFIG) -> MemoryEstimate:
+    """Analytic estimate of a run configuration.
+
+    The model is ``cfg.model`` — a catalog name, a local config.json/folder, or a
+    model id in the local Hugging Face cache — unless ``model`` names another
+    place to read the same model from (the trainer passes the folder it loads).
+    The GPUs are those ``cfg.hardware`` names unless ``cluster`` is given (the
+    trainer passes the CUDA device it runs on; None: no fit verdict).
+    """
     from .memory import estimate_training
 
-    spec = resolve_model(cfg.model).spec
-    cluster = cluster_for(cfg)
+    spec = resolve_model(model or cfg.model).spec
+    if cluster is _FROM_CONFIG:
+        cluster = cluster_for(cfg)
     est = estimate_training(spec, cfg, cluster, expandable_segments=expandable_segments)
     check_host_ram(est, cluster)
     return est

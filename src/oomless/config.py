@@ -14,13 +14,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import ConfigError
+from .knobs import ATTENTIONS, METHODS, OPTIMIZERS
 
-Method = Literal["full", "lora", "qlora"]
+# The accepted values of the knobs with a registry come from knobs.py (one row each).
+Method = Literal[tuple(METHODS)]  # type: ignore[valid-type]
+Optimizer = Literal[tuple(OPTIMIZERS)]  # type: ignore[valid-type]
+Attention = Literal[tuple(ATTENTIONS)]  # type: ignore[valid-type]
 Precision = Literal["bf16", "fp16", "fp32", "pure-bf16"]
-Optimizer = Literal[
-    "adamw", "adamw-8bit", "paged-adamw", "paged-adamw-8bit", "sgd", "sgd-momentum", "adafactor"
-]
-Attention = Literal["eager", "sdpa", "flash"]
 Offload = Literal["none", "optimizer", "all"]
 
 

@@ -39,7 +39,7 @@ def test_sigterm_checkpoint_then_resume_equals_an_uninterrupted_run(run_config):
         "step-000003", 3, 24)
     assert {"optimizer.pt", "scheduler.pt", "rng-rank0.pt", "adapter_model.safetensors"} <= {
         p.name for p in folder.iterdir()}
-    assert not list((cfg_dir / "checkpoints").glob(".tmp*"))
+    assert not list((cfg_dir / "checkpoints").glob(".*"))  # no temporary folder left
 
     resumed = train(cfg, resume=True)
     assert resumed.steps == 7

@@ -13,14 +13,13 @@ from typing import Any
 
 from ..config import RunConfig
 from ..errors import ConfigError
+from ..knobs import ATTENTIONS, OPTIMIZERS, attention_from_llamafactory, optimizer_from_hf
 from . import foreign_keys as K
 from .sources import (
     GLM_DATA_KEYS,
     GLM_DEEPSPEED,
     GLM_TOP_KEYS,
-    HF_OPTIM_TO_OURS,
     LF_DEEPSPEED,
-    OURS_TO_HF_OPTIM,
     Reading,
     Source,
     deepspeed_source,
@@ -30,9 +29,6 @@ from .sources import (
     zero_from_deepspeed,
 )
 
-LF_ATTN_TO_OURS = {"auto": "sdpa", "sdpa": "sdpa", "disabled": "eager", "fa2": "flash",
-                   "fa3": "flash"}
-OURS_TO_LF_ATTN = {"sdpa": "sdpa", "eager": "disabled", "flash": "fa2"}
 HF_TA_KEYS = K.TRAINING_ARGUMENTS_KEYS | K.SEQ2SEQ_EXTRA_KEYS
 # Module names the model's own code uses, for writing LoRA targets back
 NATIVE_LINEAR_NAMES = {
@@ -50,8 +46,9 @@ def native_targets(model_type: str, targets: Any) -> Any:
 
 
 def _optimizer(name: str, where: str, notes: list[str]) -> str:
-    if name in HF_OPTIM_TO_OURS:
-        return HF_OPTIM_TO_OURS[name]
+    ours = optimizer_from_hf(name)
+    if ours is not None:
+        return ours
     notes.append(f"{where}: optim '{name}' is estimated as AdamW (fp32 states)")
     return "adamw"
 
@@ -109,7 +106,7 @@ def read_llamafactory(src: Source, model: str | None) -> Reading:
         "grad_accum": d.get("gradient_accumulation_steps", 1),
         "seq_len": d.get("cutoff_len", 2048),
         "grad_ckpt": not d.get("disable_gradient_checkpointing", False),
-        "attn": LF_ATTN_TO_OURS[d.get("flash_attn", "auto")],
+        "attn": attention_from_llamafactory(str(d.get("flash_attn", "auto"))) or "sdpa",
         "data": {"packing": bool(d.get("packing"))},
         "eval": {}, "zero": 0, "offload": "none",
     }
@@ -147,11 +144,11 @@ def lf_edits(cfg: RunConfig, old: RunConfig, model_type: str) -> list[tuple[str,
         put("bf16", cfg.precision == "bf16")
         put("fp16", cfg.precision == "fp16")
     if cfg.optimizer != old.optimizer:
-        put("optim", OURS_TO_HF_OPTIM[cfg.optimizer])
+        put("optim", OPTIMIZERS[cfg.optimizer].hf_optim)
     if cfg.grad_ckpt != old.grad_ckpt:
         put("disable_gradient_checkpointing", not cfg.grad_ckpt)
     if cfg.attn != old.attn:
-        put("flash_attn", OURS_TO_LF_ATTN[cfg.attn])
+        put("flash_attn", ATTENTIONS[cfg.attn].llamafactory)
     if (cfg.zero, cfg.offload) != (old.zero, old.offload):
         put("deepspeed", LF_DEEPSPEED.get((cfg.zero, cfg.offload)) if cfg.zero else None)
     _batch_edits(cfg, old, put, "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -242,7 +239,7 @@ def glm_edits(cfg: RunConfig, old: RunConfig, model_type: str) -> list[tuple[str
     _batch_edits(cfg, old, put, "per_device_train_batch_size", "gradient_accumulation_steps",
                  "per_device_eval_batch_size")
     if cfg.optimizer != old.optimizer:
-        put("optim", OURS_TO_HF_OPTIM[cfg.optimizer])
+        put("optim", OPTIMIZERS[cfg.optimizer].hf_optim)
     if (cfg.zero, cfg.offload) != (old.zero, old.offload):
         put("deepspeed", GLM_DEEPSPEED.get((cfg.zero, cfg.offload)))
     if cfg.lora.r != old.lora.r:
@@ -327,7 +324,7 @@ def hf_edits(cfg: RunConfig, old: RunConfig, reading: Reading) -> list[tuple[str
             "gradient_checkpointing"
         out.append(("training_args", (key,), cfg.grad_ckpt))
     if cfg.optimizer != old.optimizer and ta:
-        out.append(("training_args", ("optim",), OURS_TO_HF_OPTIM[cfg.optimizer]))
+        out.append(("training_args", ("optim",), OPTIMIZERS[cfg.optimizer].hf_optim))
     if ds and (cfg.zero, cfg.offload) != (old.zero, old.offload):
         out += _zero_edits(cfg, ds)
     return out

@@ -25,13 +25,6 @@ from . import foreign_keys as K
 LEGACY_TRAINING_KEYS = {"evaluation_strategy": "eval_strategy",
                         "no_cuda": "use_cpu", "overwrite_output_dir": None,
                         "logging_dir": None}
-HF_OPTIM_TO_OURS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw",
-                    "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit",
-                    "paged_adamw_32bit": "paged-adamw", "paged_adamw_8bit": "paged-adamw-8bit",
-                    "sgd": "sgd", "adafactor": "adafactor"}
-OURS_TO_HF_OPTIM = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit",
-                    "paged-adamw": "paged_adamw_32bit", "paged-adamw-8bit": "paged_adamw_8bit",
-                    "sgd": "sgd", "adafactor": "adafactor"}
 GLM_TOP_KEYS = {"data_config", "max_input_length", "max_output_length", "combine", "freezeV",
                 "logprob_mode", "training_args", "peft_config", "swanlab"}
 GLM_DATA_KEYS = {"train_file", "val_file", "test_file", "num_proc"}

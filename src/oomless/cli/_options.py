@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
+
+from ..config import Offload, Precision
+from ..knobs import ATTENTIONS, METHODS, OPTIMIZERS
 
 # flag → dotted RunConfig key
 _FLAG_KEYS = {
@@ -23,21 +26,20 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="catalog name (see `oomless models`), HF id in the local cache, "
                    "a config.json or model folder, or an oomless.yaml run configuration")
     g = p.add_argument_group("run options (override the YAML's values)")
-    g.add_argument("--method", choices=["full", "lora", "qlora"])
-    g.add_argument("--precision", choices=["bf16", "fp16", "fp32", "pure-bf16"])
-    g.add_argument("--optim", choices=["adamw", "adamw-8bit", "paged-adamw", "paged-adamw-8bit",
-                                       "sgd", "sgd-momentum", "adafactor"])
+    g.add_argument("--method", choices=list(METHODS))
+    g.add_argument("--precision", choices=list(get_args(Precision)))
+    g.add_argument("--optim", choices=list(OPTIMIZERS))
     g.add_argument("--quant", choices=["nf4", "fp4", "int8"], help="QLoRA quantization (nf4)")
     g.add_argument("--batch-size", type=int, help="micro batch per GPU")
     g.add_argument("--grad-accum", type=int)
     g.add_argument("--seq-len", type=int, help="tokens per sample")
     g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--attn", choices=["eager", "sdpa", "flash"])
+    g.add_argument("--attn", choices=list(ATTENTIONS))
     g.add_argument("--lora-r", type=int)
     g.add_argument("--lora-dropout", type=float)
     g.add_argument("--lora-targets", help="comma-separated module names, or all-linear")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
-    g.add_argument("--offload", choices=["none", "optimizer", "all"])
+    g.add_argument("--offload", choices=list(get_args(Offload)))
     g.add_argument("--gpu", help="GPU and count: 4090x8, 'a100-40gb x8' (see `oomless gpus`)")
     g.add_argument("--nodes", type=int)
     g.add_argument("--host-ram-gb", type=float, help="host RAM per node (offload)")

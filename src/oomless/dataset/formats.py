@@ -121,3 +121,14 @@ def record_to_messages(record: Any, fmt: str = "auto",
         msgs = _turns(record["messages"], "messages", "role", "content", roles)
     _check_order(msgs)
     return msgs
+
+
+# ChatML, the template family Qwen2 uses; prefix-consistent (the tokens of
+# messages[:k] are a prefix of those of messages[:k+1]), which the label
+# masking in dataset/records.py relies on.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)

@@ -21,7 +21,8 @@ from typing import Any
 
 from ..config import DataConfig
 from ..errors import DataError
-from .formats import FORMATS, RecordError, detect_format, record_to_messages
+from ..fileio import write_atomic, write_json_atomic
+from .formats import CHAT_TEMPLATE, FORMATS, RecordError, detect_format, record_to_messages
 
 __all__ = ["FORMATS", "IGNORE_INDEX", "BadRecord", "Example", "LoadedData", "RecordError",
            "detect_format", "encode_messages", "load_examples", "pack_examples",
@@ -187,8 +188,6 @@ def ensure_chat_template(tokenizer: Any) -> bool:
     """Give a template-less (base-model) tokenizer ChatML; True when we did."""
     if getattr(tokenizer, "chat_template", None):
         return False
-    from ..runtime.tiny import CHAT_TEMPLATE
-
     tokenizer.chat_template = CHAT_TEMPLATE
     return True
 
@@ -245,22 +244,12 @@ def token_length_stats(examples: list[Example]) -> dict[str, Any]:
     }
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-
-
 def _write_rejected(run_dir: Path, bad: list[BadRecord]) -> Path:
     path = run_dir / "rejected.jsonl"
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for b in bad:
-            fh.write(json.dumps({"file": b.file, "line": b.line, "reason": b.reason,
-                                 "record": b.record}, ensure_ascii=False, default=str) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(
+        json.dumps({"file": b.file, "line": b.line, "reason": b.reason, "record": b.record},
+                   ensure_ascii=False, default=str) + "\n" for b in bad))
     return path
 
 
@@ -325,6 +314,7 @@ def load_examples(path: str | os.PathLike[str], tokenizer: Any, data: DataConfig
         run = Path(run_dir)
         if bad:
             stats["rejected_file"] = str(_write_rejected(run, bad))
+        run.mkdir(parents=True, exist_ok=True)
         write_json_atomic(run / stats_name, stats)
     return LoadedData(str(path), examples, bad, stats)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .records import RecordError
+from .formats import RecordError
 
 PLACEHOLDER = "<image>"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..knobs import OPTIMIZERS
 from ..units import GiB, fmt_bytes
 from .events import Cause, Fix, OomEvent, RunHints
 from .predict import Predictor
@@ -170,7 +171,7 @@ def zero3(ctx: FixContext) -> Fix:
 
 def smaller_optimizer(ctx: FixContext) -> Fix | None:
     p = ctx.predictor
-    if p is not None and p.cfg.optimizer in ("adamw-8bit", "paged-adamw-8bit", "sgd"):
+    if p is not None and OPTIMIZERS[p.cfg.optimizer].saves_memory_over_adamw:
         return None
     return _priced(ctx, "optimizer", "8-bit AdamW (bitsandbytes): optimizer states 2 bytes/param "
                    "instead of 8", {"optimizer": "adamw-8bit"}, keeps=False)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..config import RunConfig
 from ..errors import ConfigError
+from ..knobs import OPTIMIZERS
 from ..models.spec import LinearSpec, ModelSpec
 from . import constants as C
 from .precision import Dtypes
@@ -109,18 +110,15 @@ def weight_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
 
 
 def optimizer_bytes_per_param(cfg: RunConfig, dt: Dtypes) -> float:
-    opt = cfg.optimizer
-    if opt in ("adamw", "paged-adamw"):
-        return 2 * dt.optim_elem_bytes
-    if opt in ("adamw-8bit", "paged-adamw-8bit"):
-        return C.ADAM8BIT_BYTES
-    if opt == "sgd":
-        return 0.0
-    if opt == "sgd-momentum":
-        return dt.optim_elem_bytes
-    if opt == "adafactor":
+    """State bytes per trainable parameter, from the optimizer's row in knobs.OPTIMIZERS."""
+    kind = OPTIMIZERS.get(cfg.optimizer)
+    if kind is None:
+        raise ConfigError(f"unknown optimizer '{cfg.optimizer}'; one of {', '.join(OPTIMIZERS)}")
+    if kind.factored:
         return 0.0  # factored: computed per matrix in adafactor_bytes
-    raise ConfigError(f"unknown optimizer '{opt}'")
+    if kind.eight_bit:
+        return C.ADAM8BIT_BYTES
+    return kind.full_states * dt.optim_elem_bytes
 
 
 def adafactor_bytes(spec: ModelSpec, cfg: RunConfig, targets: set[str]) -> int:
@@ -181,7 +179,7 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
             "optimizer offload: fp32 master weights, fp32 gradient partitions and "
             "optimizer states live in pinned host RAM (DeepSpeed ZeRO-Offload)"
         )
-    elif cfg.optimizer.startswith("paged"):
+    elif OPTIMIZERS[cfg.optimizer].paged:
         st.paged_bytes = round(opt / shard_opt)
         st.gpu["master_weights"] = round(master / shard_opt)
         st.gpu["grad_partition_fp32"] = round(fp32_grad_partition / shard_opt)

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnknownModelError
-from .hf_config import buildable_hf_config, config_path_for, read_config_file, spec_from_hf_config
+from .hf_cache import config_path_for, read_config_file
+from .hf_config import buildable_hf_config, spec_from_hf_config
 from .spec import ModelSpec
 
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import ModelConfigError
-from .hf_config import LLAMA_DEFAULTS, ConfigFields, decoder_spec
+from .hf_decoder import LLAMA_DEFAULTS, ConfigFields, decoder_spec
 from .spec import ModelSpec, VisionSpec
 
 # transformers CLIPVisionConfig defaults (ViT-B/32), for vision_configs that omit fields

@@ -25,6 +25,7 @@ from itertools import product
 from typing import TYPE_CHECKING
 
 from ..config import RunConfig
+from ..knobs import OPTIMIZERS
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 
@@ -167,7 +168,8 @@ def _optimizers(req: PlanRequest, method: str) -> list[str]:
     if not req.free("optimizer") or method != "full":
         # LoRA/QLoRA optimizer states are well under 1% of the memory: keep the request's.
         return [base.optimizer]
-    return ["adamw", "paged-adamw", "adamw-8bit", "paged-adamw-8bit"]
+    # the AdamW family: the same update rule, states in fp32 / 8-bit / unified memory
+    return [k.name for k in OPTIMIZERS.values() if k.full_states == 2]
 
 
 def attention_targets(spec: ModelSpec) -> list[str]:

@@ -14,20 +14,15 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig, dump_run_config
+from ..fileio import write_atomic
+from ..knobs import ATTENTIONS, OPTIMIZERS
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 
-# HF TrainingArguments `optim` names (transformers OptimizerNames)
-HF_OPTIM = {"adamw": "adamw_torch_fused", "adamw-8bit": "adamw_bnb_8bit",
-            "paged-adamw": "paged_adamw_32bit", "paged-adamw-8bit": "paged_adamw_8bit",
-            "sgd": "sgd", "adafactor": "adafactor"}
-# LLaMA-Factory flash_attn values (extras/constants.py AttentionFunction)
-LF_ATTN = {"eager": "disabled", "sdpa": "sdpa", "flash": "fa2"}
 # LLaMA-Factory chat templates (data/template.py) by catalog family; by name first
 LF_TEMPLATE_BY_NAME = {"glm-4v-9b": "glm4v", "deepseek-r1-distill-qwen-7b": "deepseekr1",
                        "phi-4": "phi4"}
@@ -37,12 +32,6 @@ LF_TEMPLATE_BY_FAMILY = {"glm4": "glm4", "qwen2.5": "qwen", "qwen2-moe": "qwen",
                          "gemma2": "gemma2", "phi3": "phi", "llava": "llava"}
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
 DEFAULT_MAX_NEW_TOKENS = 512  # inference length when the plan has no generation setting
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _half(cfg: RunConfig) -> str:
@@ -102,7 +91,7 @@ def training_arguments(cfg: RunConfig, deepspeed_path: str | None) -> dict[str, 
         "logging_steps": t.logging_steps, "num_train_epochs": t.epochs,
         "bf16": cfg.precision == "bf16", "fp16": cfg.precision == "fp16",
         "gradient_checkpointing": cfg.grad_ckpt,
-        "optim": HF_OPTIM.get(cfg.optimizer, "adamw_torch_fused"),
+        "optim": OPTIMIZERS[cfg.optimizer].hf_optim,
     }
     if cfg.grad_ckpt:
         args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
@@ -158,9 +147,9 @@ def llamafactory_config(cfg: RunConfig, spec: ModelSpec, model_id: str, family: 
         "learning_rate": t.learning_rate, "num_train_epochs": t.epochs,
         "lr_scheduler_type": t.lr_scheduler, "warmup_steps": t.warmup_ratio,
         "max_grad_norm": t.max_grad_norm, "logging_steps": t.logging_steps,
-        "output_dir": t.output_dir, "flash_attn": LF_ATTN[cfg.attn],
+        "output_dir": t.output_dir, "flash_attn": ATTENTIONS[cfg.attn].llamafactory,
         "disable_gradient_checkpointing": not cfg.grad_ckpt,
-        "optim": HF_OPTIM.get(cfg.optimizer, "adamw_torch_fused"),
+        "optim": OPTIMIZERS[cfg.optimizer].hf_optim,
     }
     if cfg.precision == "pure-bf16":
         lf["pure_bf16"] = True

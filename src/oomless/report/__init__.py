@@ -6,24 +6,8 @@ embedded in the file so that the report opens without network access.
 
 from __future__ import annotations
 
-from types import ModuleType
-
-from ..errors import OomlessError
-
-
-def require_plotly() -> ModuleType:
-    try:
-        import plotly
-        import plotly.graph_objects  # noqa: F401
-    except ImportError:
-        raise OomlessError(
-            "`oomless report` draws its charts with plotly, which is not installed; "
-            "install it with: pip install 'oomless[report]'"
-        ) from None
-    return plotly
-
-
-from .data import ReportData, load_report_data  # noqa: E402
-from .html import render_html, write_report  # noqa: E402
+from .data import ReportData, load_report_data
+from .html import render_html, write_report
+from .plotly_dep import require_plotly
 
 __all__ = ["ReportData", "load_report_data", "render_html", "require_plotly", "write_report"]

@@ -17,7 +17,7 @@ _LAYOUT = dict(
 
 
 def _go():
-    from . import require_plotly
+    from .plotly_dep import require_plotly
 
     return require_plotly().graph_objects
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import html
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..fileio import write_atomic
 from ..units import fmt_bytes, fmt_count
 from . import figures
 from .data import ReportData
@@ -26,7 +25,7 @@ th { background: #f4f4f4; }
 
 
 def _plotly_js() -> str:
-    from . import require_plotly
+    from .plotly_dep import require_plotly
 
     require_plotly()
     from plotly.offline import get_plotlyjs
@@ -150,19 +149,7 @@ def render_html(data: ReportData) -> str:
 
 
 def write_report(data: ReportData, out: str | Path) -> Path:
-    """Render and write atomically (tmp file + os.replace)."""
+    """Render and write atomically (oomless.fileio)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = render_html(data)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is for sharing
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out
+    return write_atomic(out, render_html(data))

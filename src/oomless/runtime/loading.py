@@ -16,6 +16,7 @@ from typing import Any
 
 from ..config import RunConfig
 from ..errors import ConfigError, UnknownModelError
+from ..knobs import ATTENTIONS, OPTIMIZERS, load_class
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +106,6 @@ def _quantization_config(cfg: RunConfig, compute_dtype: Any, device_type: str) -
                               bnb_4bit_compute_dtype=compute_dtype)
 
 
-def _attn_impl(cfg: RunConfig) -> str:
-    return {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}[cfg.attn]
-
-
 def load_model(cfg: RunConfig, device: Any) -> tuple[Any, Path]:
     """The model ready to train (PEFT-wrapped for LoRA/QLoRA) on ``device``."""
     import torch
@@ -118,7 +115,7 @@ def load_model(cfg: RunConfig, device: Any) -> tuple[Any, Path]:
     check_remote_code(model_dir, cfg.training.trust_remote_code)
     weights_dtype, compute_dtype = torch_dtypes(cfg, device.type)
     quant = _quantization_config(cfg, compute_dtype or torch.bfloat16, device.type)
-    kwargs: dict[str, Any] = {"dtype": weights_dtype, "attn_implementation": _attn_impl(cfg),
+    kwargs: dict[str, Any] = {"dtype": weights_dtype, "attn_implementation": ATTENTIONS[cfg.attn].hf_implementation,
                               "trust_remote_code": cfg.training.trust_remote_code}
     if quant is not None:
         kwargs.update(quantization_config=quant, device_map={"": device.index or 0})
@@ -162,30 +159,23 @@ def trainable_parameters(model: Any) -> list[Any]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def build_optimizer(cfg: RunConfig, params: list[Any], device_type: str) -> Any:
-    import torch
+def build_optimizer(cfg: RunConfig, params: list[Any], device_type: str,
+                    fused: bool = False) -> Any:
+    """The optimizer ``cfg.optimizer`` names (its class and arguments: knobs.OPTIMIZERS).
 
+    ``fused``: torch's fused AdamW kernel, what HF Trainer's default ``adamw_torch_fused``
+    builds (the trace uses it; the training loop keeps the portable default).
+    """
+    kind = OPTIMIZERS[cfg.optimizer]
+    if kind.needs_cuda and device_type != "cuda":
+        cpu_ok = ", ".join(k for k, o in OPTIMIZERS.items() if not o.needs_cuda)
+        raise ConfigError(f"optimizer '{kind.name}' uses bitsandbytes' CUDA kernels; "
+                          f"on CPU use optimizer: {cpu_ok}")
     t = cfg.training
-    name = cfg.optimizer
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-    if name in ("sgd", "sgd-momentum"):
-        momentum = 0.9 if name == "sgd-momentum" else 0.0
-        return torch.optim.SGD(params, lr=t.learning_rate, momentum=momentum,
-                               weight_decay=t.weight_decay)
-    if name == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return Adafactor(params, lr=t.learning_rate, relative_step=False, scale_parameter=False,
-                         warmup_init=False, weight_decay=t.weight_decay)
-    if device_type != "cuda":
-        raise ConfigError(f"optimizer '{name}' uses bitsandbytes' CUDA kernels; "
-                          "on CPU use optimizer: adamw, sgd or adafactor")
-    import bitsandbytes as bnb
-
-    cls = {"adamw-8bit": bnb.optim.AdamW8bit, "paged-adamw": bnb.optim.PagedAdamW,
-           "paged-adamw-8bit": bnb.optim.PagedAdamW8bit}[name]
-    return cls(params, lr=t.learning_rate, weight_decay=t.weight_decay)
+    kwargs = {"lr": t.learning_rate, "weight_decay": t.weight_decay, **kind.class_kwargs}
+    if fused and kind.torch_class == "torch.optim:AdamW":
+        kwargs["fused"] = True
+    return load_class(kind.torch_class)(params, **kwargs)
 
 
 def build_scheduler(cfg: RunConfig, optimizer: Any, total_steps: int) -> Any:

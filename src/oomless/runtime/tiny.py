@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
+
+from ..dataset.formats import CHAT_TEMPLATE
+from ..fileio import new_temp_dir, publish_dir
 
 Arch = Literal["qwen2", "llama"]
 
@@ -26,16 +28,6 @@ PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
-
-# ChatML, the template family Qwen2 uses; prefix-consistent (the tokens of
-# messages[:k] are a prefix of those of messages[:k+1]), which the label
-# masking in runtime/data.py relies on.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 DEMO_DATA = "demo_sft.jsonl"
 
@@ -207,13 +199,11 @@ def _save_folder(out: Path, model: Any, processor: Any) -> Path:
     """Write model and tokenizer/processor as one HF folder, atomically
     (a temporary folder beside it, then a rename)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = new_temp_dir(out.parent, out.name)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         processor.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        publish_dir(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

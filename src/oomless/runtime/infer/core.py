@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ...errors import ConfigError, DataError
+from ...fileio import write_json_atomic
 
 DEFAULT_JUDGE_PROMPT = (
     "You are a strict judge of instruction-tuning data. Rate how good the response is as an "
@@ -238,9 +239,7 @@ class ResultLog:
                 what = ", ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in changed.items())
                 raise ConfigError(f"'{self.path}' holds results made with other settings ({what});"
                                   " use another --out, or --overwrite to start again")
-        tmp = self.meta_path.with_name(self.meta_path.name + ".tmp")
-        tmp.write_text(json.dumps(settings, indent=2))
-        os.replace(tmp, self.meta_path)
+        write_json_atomic(self.meta_path, settings)
 
     def _repair_tail(self) -> None:
         """Cut a line torn by a crash mid-write (everything after the last newline)."""

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
+from ...fileio import write_atomic
 from .core import (
     DEFAULT_JUDGE_PROMPT,
     Backend,
@@ -135,7 +135,5 @@ def write_kept(scored: Path, kept: Path, min_score: int) -> tuple[int, int]:
             and r["score"] >= min_score]
     unparsed = sum(1 for r in rows if r.get("score") is None and not r.get("error"))
     kept.parent.mkdir(parents=True, exist_ok=True)
-    tmp = kept.with_name(f".{kept.name}.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in good))
-    os.replace(tmp, kept)
+    write_atomic(kept, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in good))
     return len(good), unparsed

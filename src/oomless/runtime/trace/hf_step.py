@@ -19,34 +19,23 @@ from typing import Any
 import torch
 
 from ...config import RunConfig
+from ...knobs import OPTIMIZERS
 from ..build import autocast_dtype
+from ..loading import build_optimizer
 
 
 def make_optimizer(params: list[torch.nn.Parameter], cfg: RunConfig, device_type: str) -> Any:
-    """The optimizer HF Trainer builds for ``cfg.optimizer`` (TrainingArguments.optim)."""
-    lr, wd = cfg.training.learning_rate, cfg.training.weight_decay
-    opt = cfg.optimizer
-    if opt in ("adamw", "paged-adamw"):
-        # paged-adamw: bitsandbytes keeps the same fp32 states in CUDA unified memory;
-        # a trace counts them outside PyTorch's allocator (category paged_optimizer)
-        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, fused=True)
-    if opt in ("adamw-8bit", "paged-adamw-8bit"):
-        if device_type != "cuda":
-            raise NotImplementedError("8-bit AdamW runs only on CUDA (bitsandbytes kernels)")
-        import bitsandbytes as bnb
+    """The optimizer HF Trainer builds for ``cfg.optimizer`` (TrainingArguments.optim).
 
-        cls = bnb.optim.PagedAdamW8bit if opt.startswith("paged") else bnb.optim.AdamW8bit
-        return cls(params, lr=lr, weight_decay=wd)
-    if opt == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=wd)
-    if opt == "sgd-momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=wd)
-    if opt == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return Adafactor(params, scale_parameter=False, relative_step=False, warmup_init=False,
-                         lr=lr, weight_decay=wd)
-    raise ValueError(f"unknown optimizer {opt!r}")
+    paged-adamw: bitsandbytes keeps the same fp32 states in CUDA unified memory; on a
+    CPU trace it is AdamW, and the states count outside PyTorch's allocator
+    (category paged_optimizer). 8-bit optimizers run only on CUDA.
+    """
+    if OPTIMIZERS[cfg.optimizer].needs_cuda and device_type != "cuda":
+        if cfg.optimizer != "paged-adamw":
+            raise NotImplementedError(f"{cfg.optimizer} runs only on CUDA (bitsandbytes kernels)")
+        cfg = cfg.replace(optimizer="adamw")
+    return build_optimizer(cfg, params, device_type, fused=True)
 
 
 def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:

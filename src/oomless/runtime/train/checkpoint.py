@@ -13,7 +13,6 @@ processes need a shared file system (rank 0 renames).
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
+from ...fileio import new_temp_dir, publish_dir, write_json_atomic
 
 CHECKPOINTS = "checkpoints"
 STATE = "trainer_state.json"
@@ -97,12 +97,8 @@ def load_weights(model: Any, folder: Path) -> None:
 
 
 def prepare_tmp(run_dir: Path, step: int) -> Path:
-    """Rank 0: a fresh temporary folder for the checkpoint of ``step``."""
-    tmp = run_dir / CHECKPOINTS / f".tmp-step-{step:06d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
+    """Rank 0: a fresh, uniquely named temporary folder for the checkpoint of ``step``."""
+    return new_temp_dir(run_dir / CHECKPOINTS, f"step-{step:06d}")
 
 
 def write_rank_rng(tmp: Path, rank: int) -> None:
@@ -116,15 +112,12 @@ def write_main(tmp: Path, scheduler: Any, state: dict[str, Any]) -> None:
     import torch
 
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    (tmp / STATE).write_text(json.dumps(state, indent=2) + "\n")
+    write_json_atomic(tmp / STATE, state)
 
 
 def publish(run_dir: Path, tmp: Path, step: int, keep: int | None) -> Path:
     """Rank 0: rename the finished temporary folder into place; prune old ones."""
-    final = checkpoint_dir(run_dir, step)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    final = publish_dir(tmp, checkpoint_dir(run_dir, step))
     if keep:
         root = run_dir / CHECKPOINTS
         steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
@@ -148,3 +141,13 @@ def restore(folder: Path, scheduler: Any, rank: int) -> dict:
                           "resume with the same number of processes")
     set_rng_state(torch.load(rng_file, weights_only=False))
     return read_state(folder)
+
+
+def seed_everything(seed: int) -> None:
+    """The same seed for Python, NumPy and torch (every rank: identical initial replicas)."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

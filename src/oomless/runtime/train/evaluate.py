@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from typing import Any
 
 from ...dataset.records import IGNORE_INDEX, Example
+from ...fileio import write_atomic
 from .batches import collate, label_tokens
-from .oom import TrainingOOMError, release_memory
+from .losses import token_loss_sum
+from .oom import TrainingOOMError, first_line, release_memory
 
 
 class Evaluator:
@@ -29,8 +30,6 @@ class Evaluator:
     def _batches(self, fn: Any, phase: str) -> list[Any]:
         """Apply ``fn`` to consecutive eval batches; OOM halves the eval batch."""
         import torch
-
-        from .loop import first_line
 
         t, out, pos = self.t, [], 0
         while pos < self.lockstep_len:
@@ -60,8 +59,6 @@ class Evaluator:
 
     def _loss(self, examples: list[Example]) -> tuple[float, float]:
         import torch
-
-        from .loop import token_loss_sum
 
         batch = collate(examples, self.t.pad_id, self.t.device, self.t.vision)
         labels = batch.pop("labels")
@@ -131,6 +128,4 @@ class Evaluator:
     def _write_predictions(self, rows: list[dict[str, Any]]) -> None:
         t = self.t
         path = t.run_dir / f"predictions-step{t.step:06d}-rank{t.dist.rank}.jsonl"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

@@ -24,6 +24,7 @@ import yaml
 
 from ...config import RunConfig
 from ...errors import ConfigError
+from ...fileio import write_atomic
 
 
 def distributed_type(cfg: RunConfig) -> str:
@@ -87,9 +88,7 @@ def write_launch_files(cfg: RunConfig, run_dir: Path, machine_rank: int = 0,
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text + ("" if text.endswith("\n") else "\n"))
-    os.replace(tmp, path)
+    write_atomic(path, text + ("" if text.endswith("\n") else "\n"))
 
 
 def launch_command(config_file: str, acc_file: Path, args: Any) -> list[str]:

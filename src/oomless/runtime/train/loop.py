@@ -19,7 +19,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +29,25 @@ from ...errors import ConfigError, OomlessError
 from ..loading import build_optimizer, build_scheduler, enable_grad_ckpt, load_model, torch_dtypes
 from . import checkpoint as ckpt
 from .batches import SampleSchedule, collate, label_tokens, micro_batches
+from .checkpoint import seed_everything
 from .dist import Dist, init_dist
 from .engines import make_engine
+from .losses import token_loss_sum
 from .memlog import Progress, RunLog, device_memory
 from .oom import (
     FaultInjector,
     TrainingOOMError,
     budget_mode,
     diagnosis,
+    first_line,
     next_setting,
     release_memory,
     state_tensors,
     storage_bytes,
 )
+from .persistence import CheckpointedRun, Signals
+from .preflight import predicted_estimate
+from .run_folder import RunFolder, TrainResult
 
 
 class StepOOM(Exception):
@@ -66,44 +72,14 @@ class TrainingInterrupted(OomlessError):
     exit_code = 130
 
 
-@dataclass
-class TrainResult:
-    run_dir: Path
-    steps: int
-    losses: list[float] = field(default_factory=list)
-    eval_losses: list[float] = field(default_factory=list)
-    micro_batch_size: int = 1
-    grad_ckpt: bool = False
-    predicted_peak_bytes: int | None = None
-    measured_peak_bytes: int | None = None
-    final_dir: Path | None = None
-
-
-def token_loss_sum(logits: Any, labels: Any) -> Any:
-    """Sum of next-token cross-entropy over label tokens, in fp32.
-
-    The labels are shifted (padded with -100 at the end), not the logits, so
-    no copy of the logits is made — as transformers' ForCausalLMLoss does.
-    """
-    import torch.nn.functional as F
-
-    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), shifted.reshape(-1),
-                           ignore_index=-100, reduction="sum")
-
-
-def first_line(err: BaseException) -> str:
-    """The first line of an exception's message (never empty)."""
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
-class Trainer:
+class Trainer(CheckpointedRun):
     def __init__(self, cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
                  progress: bool = False, auto_fit: bool = False,
                  on_step_end: Callable[[Trainer, dict[str, Any]], None] | None = None) -> None:
         self.cfg = cfg
         self.auto_fit = auto_fit
         self.run_dir = Path(run_dir or cfg.training.output_dir)
+        self.folder = RunFolder(self.run_dir)
         self.resume = resume
         self.show_progress = progress
         self.on_step_end = on_step_end
@@ -116,10 +92,10 @@ class Trainer:
     def _setup(self) -> None:
         from ...dataset.vision import is_vision_model, load_processor
         from ..loading import resolve_model_dir
-        from .run_folder import seed_everything
 
         self.dist: Dist = init_dist()
         self.device = self.dist.device
+        self.folder.is_main = self.dist.is_main
         if not self.cfg.data.train_file:
             raise ConfigError("data.train_file is not set; point it at a .jsonl, .json or "
                               ".parquet file of training records")
@@ -153,8 +129,6 @@ class Trainer:
     def _preflight(self, model_dir: Path) -> None:
         """Estimate before loading weights; stop, or apply the plan with --auto-fit."""
         from .preflight import apply, run_preflight
-        from .run_folder import predicted_estimate
-
         pre = run_preflight(self.cfg, model_dir)
         fitted = apply(pre, self.cfg, self.auto_fit or self.cfg.training.auto_fit)
         if fitted is not self.cfg:
@@ -173,11 +147,6 @@ class Trainer:
         s = self.schedule
         return {"num_samples": s.num_samples, "effective_batch": s.effective_batch,
                 "world_size": s.world_size, "seed": s.seed}
-
-    def save_checkpoint(self) -> Path | None:
-        from .run_folder import save_checkpoint
-
-        return save_checkpoint(self)
 
     # ---- one optimizer step ---------------------------------------------------------------
     def _autocast(self) -> Any:
@@ -334,11 +303,9 @@ class Trainer:
 
     def _run(self) -> TrainResult:
         from .evaluate import Evaluator
-        from .run_folder import Signals, finish, resume, write_run_files
-
         if self.resume:
-            resume(self)
-        write_run_files(self)
+            self.resume_from_checkpoint()
+        self.write_run_files()
         t = self.cfg.training
         evaluator = Evaluator(self) if self.eval_data else None
         result = TrainResult(self.run_dir, self.step)
@@ -371,7 +338,7 @@ class Trainer:
             bar.close()
         if evaluator and not (self.cfg.eval.steps and self.step % self.cfg.eval.steps == 0):
             result.eval_losses.append(evaluator.run()["eval_loss"])
-        return finish(self, result)
+        return self.finish(result)
 
 def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False,
           progress: bool = False, auto_fit: bool = False,

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ...fileio import write_atomic
+
 MEMLOG = "memlog.jsonl"
 EVENTS = "events.jsonl"
 
@@ -74,9 +76,7 @@ def truncate_after(run_dir: Path, step: int) -> None:
         return
     kept = [line for line in path.read_text().splitlines()
             if line.strip() and json.loads(line).get("step", 0) <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(k + "\n" for k in kept))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(k + "\n" for k in kept))
 
 
 def read_steps(run_dir: Path) -> list[dict[str, Any]]:

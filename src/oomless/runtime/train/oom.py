@@ -24,6 +24,11 @@ from ...errors import OomlessError
 from ...units import GiB, fmt_bytes
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message (never empty)."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 class TrainingOOMError(OomlessError):
     """OOM at micro batch 1 with gradient checkpointing: no recovery left."""
 

@@ -66,19 +66,22 @@ def detect_cluster(cfg: RunConfig) -> Any:
     return Cluster(gpu, cfg.hardware.gpus_per_node, cfg.hardware.nodes)
 
 
-def _estimate(cfg: RunConfig, model_dir: Path, cluster: Any) -> Any:
-    from ...memory import estimate_training
-    from ...models.catalog import resolve_model
+def predicted_estimate(cfg: RunConfig, model_dir: Path, cluster: Any = None) -> Any:
+    """The analytic estimate of this run (None where the model is not modelled)."""
+    from ...api import estimate
+    from ...errors import ModelConfigError, UnknownModelError
 
-    spec = resolve_model(str(model_dir)).spec
-    return estimate_training(spec, cfg, cluster)
+    try:
+        return estimate(cfg, model=str(model_dir), cluster=cluster)
+    except (UnknownModelError, ModelConfigError):
+        return None
 
 
-def best_fit(cfg: RunConfig, model_dir: Path, cluster: Any) -> RunConfig | None:
+def fitting_proposal(cfg: RunConfig, model_dir: Path, cluster: Any) -> RunConfig | None:
     """The planner's fastest fitting configuration with the same effective batch."""
-    from ...planner import best_fit as planner_best_fit
+    from ...planner import best_fit
 
-    fit = planner_best_fit(cfg.replace(model=str(model_dir)), cluster)
+    fit = best_fit(cfg.replace(model=str(model_dir)), cluster)
     return None if fit is None else fit.model_copy(update={"model": cfg.model})
 
 
@@ -99,17 +102,18 @@ def run_preflight(cfg: RunConfig, model_dir: Path) -> Preflight:
     if cluster is None:
         return Preflight(None, None, "no GPU configured (hardware.gpu) or present: "
                          "memory not checked before training")
+    from ...api import estimate
     from ...errors import ModelConfigError, UnknownModelError
 
     try:
-        est = _estimate(cfg, model_dir, cluster)
+        est = estimate(cfg, model=str(model_dir), cluster=cluster)
     except (UnknownModelError, ModelConfigError) as err:
         return Preflight(None, cluster, f"memory not checked: the estimator cannot model "
                          f"this model ({err})")
     if est.fits:
         return Preflight(est, cluster, f"fits on {cluster.describe()}: predicted "
                          f"{fmt_bytes(est.device_peak_bytes)} of {fmt_bytes(est.gpu_memory_bytes)}")
-    proposal = best_fit(cfg, model_dir, cluster)
+    proposal = fitting_proposal(cfg, model_dir, cluster)
     changes = config_changes(cfg, proposal) if proposal else {}
     return Preflight(est, cluster, "does not fit", proposal, changes)
 
