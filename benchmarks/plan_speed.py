@@ -30,7 +30,7 @@ from oomless.models.catalog import resolve_model
 from oomless.models.hardware import parse_gpu_arg
 from oomless.planner import build_request, search
 from oomless.planner.candidates import batch_splits, families
-from oomless.planner.scoring import Evaluator
+from oomless.planner.scoring import CandidateScorer
 
 CASES = [  # (model, gpu, method, seq_len, effective batch)
     ("glm-4-9b", "rtx-4090", "auto", 2048, 16),
@@ -63,7 +63,7 @@ def bench_estimator(repeat: int) -> dict:
     for case in CASES:
         spec, req = _request(*case)
         specs.append(spec)
-        ev = Evaluator(spec, req)
+        ev = CandidateScorer(spec, req)
         for fam in families(req, spec):
             states = ev.states(fam.cfg)
             ctx = ev.family_context(fam, states)

@@ -19,7 +19,7 @@ from oomless.models.hardware import parse_gpu_arg
 from oomless.planner import PlanOptions, best_fit, build_request, plan_from_options, search
 from oomless.planner.candidates import batch_splits, families
 from oomless.planner.plan import _walk
-from oomless.planner.scoring import Evaluator
+from oomless.planner.scoring import CandidateScorer
 
 MODELS = ["qwen2.5-0.5b-instruct", "glm-4-9b", "qwen1.5-moe-a2.7b", "llava-1.5-7b", "phi-2"]
 
@@ -45,7 +45,7 @@ def test_fast_memory_path_equals_estimate_training(model, method, zero, offload,
     spec = resolve_model(model).spec
     cluster = parse_gpu_arg(f"a100-80gb x{gpus}")
     req = build_request(spec, cfg, cluster)
-    ev = Evaluator(spec, req)
+    ev = CandidateScorer(spec, req)
     fit = ev.memory(cfg, ev.states(cfg))
     est = estimate_training(spec, cfg, cluster)
     assert fit.device_peak_bytes == est.device_peak_bytes
@@ -55,7 +55,7 @@ def test_fast_memory_path_equals_estimate_training(model, method, zero, offload,
 
 def _brute_force(spec, req):
     """Every family × every split, no pruning: which configurations fit."""
-    ev = Evaluator(spec, req)
+    ev = CandidateScorer(spec, req)
     fits = set()
     for fam in families(req, spec):
         for b, a in batch_splits(req.per_gpu_batch):
@@ -71,7 +71,7 @@ def test_pruning_by_micro_batch_loses_no_fitting_configuration(model, gpu):
     spec = resolve_model(model).spec
     req = build_request(spec, RunConfig(model=model, seq_len=4096), parse_gpu_arg(gpu),
                         effective_batch=16, method_auto=True)
-    found, _misses, searched = _walk(spec, req, Evaluator(spec, req))
+    found, _misses, searched = _walk(spec, req, CandidateScorer(spec, req))
     assert {(f.family_order, f.cfg.micro_batch_size) for f in found} == _brute_force(spec, req)
     assert searched == sum(1 for _ in families(req, spec)) * len(batch_splits(req.per_gpu_batch))
 

@@ -5,7 +5,7 @@ transformers' TrainingArguments (which also runs its DeepSpeed integration's
 consistency checks), accelerate's ClusterConfig and launch parser.
 Not installable here, so checked against their argument names as data:
 - LLaMA-Factory 0.9.5: field names and choices of its argument dataclasses,
-  read from the wheel's source (oomless/planner/foreign_keys.py), plus a round
+  read from the wheel's source (oomless/data/foreign_keys.json), plus a round
   trip through our own LLaMA-Factory reader;
 - vLLM: EngineArgs field names, copied below from vllm/engine/arg_utils.py
   (vllm-project/vllm, a v0.11-era revision read with the project's code search).

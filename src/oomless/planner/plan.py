@@ -24,7 +24,7 @@ from typing import Any
 from ..config import RunConfig
 from ..models.spec import ModelSpec
 from .candidates import SEARCH_ASSUMPTIONS, PlanRequest, batch_splits, families
-from .scoring import Evaluator, Fit
+from .scoring import CandidateScorer, Fit
 from .speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
 from .speed import StepTime
 
@@ -179,7 +179,7 @@ def _rank_key(req: PlanRequest, f: _Found) -> tuple:
     return (len(f.tradeoffs), tps, f.family_order)
 
 
-def _walk(spec: ModelSpec, req: PlanRequest, ev: Evaluator) -> tuple[list[_Found], dict, int]:
+def _walk(spec: ModelSpec, req: PlanRequest, ev: CandidateScorer) -> tuple[list[_Found], dict, int]:
     """Every family's splits, smallest micro batch first; a split that does not
     fit ends its family (a larger micro batch never needs less memory)."""
     found: list[_Found] = []
@@ -252,7 +252,7 @@ def _to_plan(spec: ModelSpec, req: PlanRequest, f: _Found) -> Plan:
 def search(spec: ModelSpec, req: PlanRequest) -> PlanResult:
     """Find the configurations that fit, best first, and the nearest misses."""
     t0 = time.perf_counter()
-    ev = Evaluator(spec, req)
+    ev = CandidateScorer(spec, req)
     found, missed, searched = _walk(spec, req, ev)
     top = _pick(req, found)
     fitting_groups = {f.group for f in found}

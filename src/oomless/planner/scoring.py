@@ -43,7 +43,7 @@ class FamilyContext:
     weight_bytes_16: float
 
 
-class Evaluator:
+class CandidateScorer:
     """Memory and speed of candidates for one request (per-family caching)."""
 
     def __init__(self, spec: ModelSpec, req: PlanRequest) -> None:
