@@ -22,6 +22,14 @@ Optimizer = Literal[tuple(OPTIMIZERS)]  # type: ignore[valid-type]
 Attention = Literal[tuple(ATTENTIONS)]  # type: ignore[valid-type]
 Precision = Literal["bf16", "fp16", "fp32", "pure-bf16"]
 Offload = Literal["none", "optimizer", "all"]
+# Training stages as LLaMA-Factory names them (plus TRL's ORPO and SimPO): pt and sft
+# run one sequence per sample; rm, dpo, kto, orpo and simpo run preference pairs;
+# ppo holds policy, reference, reward and value models and generates.
+Stage = Literal["pt", "sft", "rm", "dpo", "kto", "orpo", "simpo", "ppo"]
+# The software that runs the training step: each stack's memory-relevant behaviours
+# are listed in docs/stacks.md.
+Stack = Literal["hf-trainer", "trl", "llamafactory", "axolotl", "swift", "unsloth",
+                "custom-loop"]
 
 
 class _Section(BaseModel):
@@ -55,6 +63,13 @@ class EvalConfig(_Section):
     max_new_tokens: int = Field(0, ge=0, description="generation length when predicting")
     predict_with_generate: bool = False
     steps: int = Field(0, ge=0, description="evaluate every N optimizer steps (0: at the end)")
+
+
+class VisionConfig(_Section):
+    """Vision-language models: what of the vision side is trained."""
+
+    freeze_tower: bool = Field(True, description="vision tower frozen (LLaMA-Factory "
+                               "freeze_vision_tower, GLM-4 freezeV, LLaVA's default)")
 
 
 class DataConfig(_Section):
@@ -115,6 +130,10 @@ class RunConfig(_Section):
 
     model: str = Field(..., description="catalog name, HF id in the local cache, or a local path")
     method: Method = "lora"
+    stage: Stage = Field("sft", description="training stage: pt, sft, rm, dpo, kto, orpo, "
+                         "simpo, ppo")
+    stack: Stack = Field("hf-trainer", description="the software that runs the step "
+                         "(docs/stacks.md)")
     precision: Precision = "bf16"
     quantization: QuantConfig = QuantConfig()
     optimizer: Optimizer = "adamw"
@@ -127,6 +146,7 @@ class RunConfig(_Section):
     zero: Literal[0, 1, 2, 3] = 0
     offload: Offload = "none"
     hardware: HardwareConfig = HardwareConfig()
+    vision: VisionConfig = VisionConfig()
     eval: EvalConfig = EvalConfig()
     data: DataConfig = DataConfig()
     training: TrainingConfig = TrainingConfig()
