@@ -5,7 +5,7 @@
   largest of its components, batch 1, no activations.
 - DeepSpeed: the real estimate_zero2/3_model_states_mem_needs functions (model
   states only; ZeRO-2 formula for stages 0–2).
-- gpu_poor: its published formulas, re-implemented from ../shared/REFERENCE.md
+- gpu_poor: its published formulas (RahulSChand/gpu_poor, src/App.js), re-implemented
   (params V·h·2 + L·4h² + L·3·I·h; activation terms per layer; ×0.15 with
   checkpointing; 650 MB overhead; no GQA, no flash attention).
 - PyTorch MemTracker: run on the real model under FakeTensorMode where it works

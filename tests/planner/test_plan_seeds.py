@@ -1,6 +1,6 @@
 """The seeds' decision tree must come out of the search, not be coded in.
 
-../shared/seeds: one 24 GB card → QLoRA + gradient checkpointing; 7B full
+The stories behind the project: one 24 GB card → QLoRA + gradient checkpointing; 7B full
 fine-tuning on 8×A100-80GB → DeepSpeed ZeRO; long sequences → flash
 attention + checkpointing; MoE-LLaVA at batch 8 × accumulation 2 on
 8×A100-40GB → a smaller micro batch keeping the effective batch.

@@ -32,7 +32,7 @@ from .view import GpuView, gpu_view
 # normal; below this it is not worth an allocator setting.
 FRAGMENTATION_MIN_BYTES = 256 * MiB
 # CUDA context plus cuBLAS/cuDNN workspaces of the process itself take ~0.3-1 GiB
-# (REFERENCE.md, non-PyTorch memory); more than this outside PyTorch is someone else.
+# (docs/memory-model.md §7, outside PyTorch); more than this outside PyTorch is someone else.
 OUTSIDE_PYTORCH_EXPECTED_BYTES = 2 * GiB
 OTHER_PROCESS_MIN_FRACTION = 0.10
 # "Steps ran fine before": enough steps that the batch shapes were seen before.

@@ -1,6 +1,6 @@
 """Quantified fixes for vLLM and host-memory causes, from the logged numbers.
 
-vLLM reserves ``gpu_memory_utilization × total`` at start-up (REFERENCE.md,
+vLLM reserves ``gpu_memory_utilization × total`` at start-up (docs/memory-model.md §8,
 vllm/v1/worker/gpu_worker.py): weights, the profile run's activation peak and
 non-torch memory come out of that budget and the rest becomes KV cache.
 Everything outside vLLM (another process, a sampler's logits for scoring, a

@@ -22,7 +22,7 @@ from ..errors import GPUUnavailableError
 from ..units import GiB, fmt_bytes
 
 # A spread below this is noise: CUDA context and cuBLAS workspaces differ per
-# rank by a few hundred MiB (REFERENCE.md, caching allocator: nvidia-smi =
+# rank by a few hundred MiB (docs/memory-model.md §7: nvidia-smi =
 # reserved + context + libraries), and allocator segments are 2/20 MiB.
 UNBALANCED_MIN_BYTES = 1 * GiB
 UNBALANCED_FRACTION = 0.10  # of the GPU's total memory

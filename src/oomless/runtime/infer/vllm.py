@@ -1,7 +1,7 @@
 """The vLLM backend, with engine arguments from the memory model.
 
 vLLM reserves ``gpu_memory_utilization`` × the card's total memory and fails
-at start-up when less than that is free (REFERENCE.md, vLLM). A fixed 0.9 or
+at start-up when less than that is free (docs/memory-model.md §8). A fixed 0.9 or
 0.95 therefore either wastes the card or collides with whatever else runs on
 it (seed 004: scoring at 0.95 on a 48 GB A6000 next to other work). Here the
 utilization is what this job needs (weights, LoRA slots, profile-run peak,
