@@ -162,7 +162,8 @@ def _bnb_bytes(q: QuantSpec, k: int, n: int) -> float:
 def _fp8_bytes(q: QuantSpec, k: int, n: int) -> float:
     bn, bk = q.block_size
     scales = math.ceil(n / bn) * math.ceil(k / bk) if bn and bk else 1
-    return k * n + 4 * scales
+    static = 4 if q.fmt == "static" else 0  # FP8Linear.activation_scale, fp32 scalar
+    return k * n + 4 * scales + static
 
 
 def _eetq_bytes(q: QuantSpec, k: int, n: int) -> float:
