@@ -30,13 +30,76 @@ REQUIRED = [
     "qwen2.5-72b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b",
     "qwen3-30b-a3b", "gemma-2-2b", "gemma-2-9b", "gemma-2-27b", "phi-3-mini", "phi-4",
     "llava-1.5-7b", "qwen2.5-vl-7b",
+    # issue 12
+    "meta-llama/Meta-Llama-3-8B", "meta-llama/Meta-Llama-3-8B-Instruct", "llama-3.3-70b",
+    "Qwen/Qwen2-7B", "Qwen3-4B-Instruct-2507", "Qwen3-30B-A3B-Instruct-2507",
+    "zai-org/GLM-4-9B-0414", "zai-org/GLM-4.5-Air", "mistral-nemo",
+    "deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "deepseek-ai/DeepSeek-R1-Distill-Llama-70B",
+    "Qwen/Qwen2-VL-7B-Instruct",
 ]
+PROVENANCE = {"exact", "copy-edited", "reconstructed", "transcribed"}
 
 
 def test_catalog_size_and_required_models():
-    assert len(list_models()) >= 30
+    assert len(list_models()) >= 60
     missing = [name for name in REQUIRED if find_entry(name) is None]
     assert missing == []
+
+
+def test_every_entry_records_where_its_config_came_from():
+    for entry in list_models():
+        assert entry.provenance in PROVENANCE, entry.name
+        assert "huggingface.co/" in entry.source or "github.com/" in entry.source or \
+            entry.provenance == "reconstructed", entry.name
+        assert entry.to_dict()["provenance"] == entry.provenance
+
+
+def test_vision_entries_keep_their_preprocessor_config():
+    pre = get_entry("qwen2-vl-7b-instruct").preprocessor_config
+    assert pre["min_pixels"] == 56 * 56 and pre["max_pixels"] == 3584 * 3584
+    assert pre["patch_size"] == 14 and pre["merge_size"] == 2
+    assert get_entry("qwen2.5-7b").preprocessor_config is None
+
+
+def test_config_quirks_are_read_not_derived():
+    nemo = get_entry("mistral-nemo").spec
+    assert nemo.head_dim == 128 != nemo.hidden_size // nemo.num_heads
+    assert get_entry("meta-llama-3-8b-instruct").config["eos_token_id"] == 128009
+    assert not get_entry("deepseek-r1-distill-qwen-1.5b").spec.tie_embeddings
+    air = get_entry("glm-4.5-air").spec
+    assert air.num_dense_layers == 1 and air.num_moe_layers == 45
+    assert air.shared_expert_intermediate_size == air.moe_intermediate_size
+
+
+@pytest.mark.parametrize(("text", "first"), [
+    ("Qwen3-4B-Instruct-2508", "qwen3-4b"),  # not in the catalog: every number of qwen3-4b is
+    ("Qwen3-4B-Base-2507", "qwen3-4b-instruct-2507"),
+    ("llama3.1-8b-instrct", "llama-3.1-8b-instruct"),
+])
+def test_close_names_are_token_aware(text, first):
+    assert find_entry(text) is None
+    assert close_names(text)[0] == first
+
+
+def test_close_names_keep_the_family():
+    assert close_names("gemma-3-4b-it") == []  # no Gemma 3 entry; never a Qwen
+    assert all("qwen" in name for name in close_names("qwen2.5-8b"))
+
+
+@pytest.mark.parametrize(("text", "name"), [
+    ("Qwen3-4B-Instruct-2507", "qwen3-4b-instruct-2507"),
+    ("qwen2.5 7b instruct", "qwen2.5-7b-instruct"),
+    ("Qwen/Qwen2.5_7B_Instruct", "qwen2.5-7b-instruct"),
+    ("Llama-3-8B", "meta-llama-3-8b"),
+])
+def test_token_keys_resolve(text, name):
+    assert find_entry(text).name == name
+
+
+def test_unknown_model_says_how_to_pass_its_config():
+    with pytest.raises(UnknownModelError, match=r"oomless estimate path/to/config\.json") as err:
+        resolve_model("acme/brand-new-7b")
+    assert "https://huggingface.co/acme/brand-new-7b/blob/main/config.json" in str(err.value)
 
 
 def test_entries_are_complete():

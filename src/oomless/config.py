@@ -46,9 +46,22 @@ class LoraConfig(_Section):
 
 
 class QuantConfig(_Section):
-    bits: Literal[4, 8] = 4
+    """``method: qlora``: how the base is quantized when it loads (LLaMA-Factory's
+    quantization_method / quantization_bit)."""
+
+    method: Literal["bnb", "hqq", "eetq"] = Field(
+        "bnb", description="bitsandbytes (4/8-bit), HQQ (1-6, 8-bit) or EETQ (8-bit)")
+    bits: Literal[1, 2, 3, 4, 5, 6, 8] = 4
     type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True
+
+    @model_validator(mode="after")
+    def _bits_for_method(self) -> QuantConfig:
+        allowed = {"bnb": (4, 8), "hqq": (1, 2, 3, 4, 5, 6, 8), "eetq": (8,)}[self.method]
+        if self.bits not in allowed:
+            raise ValueError(f"quantization.bits {self.bits} with method {self.method}: "
+                             f"{self.method} takes {', '.join(map(str, allowed))} bits")
+        return self
 
 
 class HardwareConfig(_Section):

@@ -50,6 +50,8 @@ def test_estimate_reads_run_config_yaml_and_flags_override(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["estimate", "qwen2.5-7bb"], "Closest catalog names: qwen2.5-7b"),
     (["estimate", "qwen2.5-7b", "--gpu", "a100-90gb"], "unknown GPU"),
+    (["estimate", "qwen2.5-7b", "--gpu", "2080 super"], "Closest: rtx-2080-ti"),
+    (["estimate", "qwen2.5-7b", "--gpu", "4090", "--gpu-memory-gb", "12"], "both name the GPU"),
     (["estimate", "qwen2.5-7b", "--method", "qlora", "--zero", "3"], "QLoRA with ZeRO-3"),
     (["estimate", "qwen2.5-7b", "--offload", "optimizer"], "needs DeepSpeed ZeRO"),
     (["estimate", "qwen2.5-7b", "--lora-targets", "query,value"], "matches no linear layer"),
@@ -102,3 +104,15 @@ def test_pure_bf16_with_zero_is_refused(capsys):
     rc, _, err = run_cli(capsys, "estimate", "qwen2.5-7b", "--precision", "pure-bf16",
                          "--zero", "2")
     assert rc == 2 and "pure-bf16 with DeepSpeed ZeRO" in err
+
+
+@pytest.mark.parametrize(("argv", "total_bytes"), [
+    (["--gpu", "12gb"], 12 * 10**9),
+    (["--gpu", "24GiB"], 24 * 2**30),
+    (["--gpu-memory-gb", "12"], 12 * 10**9),
+])
+def test_gpu_given_by_its_size(capsys, argv, total_bytes):
+    rc, out, _ = run_cli(capsys, "estimate", "qwen2.5-0.5b", *argv, "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["gpu_memory_bytes"] == total_bytes
+    assert any("generic" in a and "compute capability 8.0" in a for a in data["assumptions"])

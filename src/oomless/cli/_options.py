@@ -40,7 +40,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-targets", help="comma-separated module names, or all-linear")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
     g.add_argument("--offload", choices=list(get_args(Offload)))
-    g.add_argument("--gpu", help="GPU and count: 4090x8, 'a100-40gb x8' (see `oomless gpus`)")
+    g.add_argument("--gpu", help="GPU and count: 4090x8, 'a100-40gb x8' (see `oomless gpus`), "
+                   "or a size: 12gb, 24GiB x2")
+    g.add_argument("--gpu-memory-gb", type=float, metavar="GB",
+                   help="a generic GPU with this much memory (GB = 10^9 bytes); same as --gpu 12gb")
     g.add_argument("--nodes", type=int)
     g.add_argument("--host-ram-gb", type=float, help="host RAM per node (offload)")
     g.add_argument("--eval-batch-size", type=int)
@@ -57,6 +60,7 @@ def _is_run_file(text: str) -> bool:
 def run_config_from_args(args: argparse.Namespace):
     """RunConfig from an optional YAML plus the flags the user gave."""
     from ..config import build_run_config, load_yaml_with_lines, set_dotted
+    from ..errors import ConfigError
     from ..models.hardware import parse_gpu_arg
 
     data: dict[str, Any]
@@ -78,8 +82,15 @@ def run_config_from_args(args: argparse.Namespace):
         set_dotted(data, "quantization.bits", 8 if args.quant == "int8" else 4)
         if args.quant != "int8":
             set_dotted(data, "quantization.type", args.quant)
-    if args.gpu:
-        cluster = parse_gpu_arg(args.gpu)
+    gpu_arg = args.gpu
+    if getattr(args, "gpu_memory_gb", None) is not None:
+        if args.gpu:
+            raise ConfigError(
+                f"--gpu {args.gpu} and --gpu-memory-gb {args.gpu_memory_gb:g} both name the GPU; give "
+                f"one: --gpu-memory-gb {args.gpu_memory_gb:g}, or --gpu {args.gpu_memory_gb:g}gbx2 for two")
+        gpu_arg = f"{args.gpu_memory_gb:g}gb"
+    if gpu_arg:
+        cluster = parse_gpu_arg(gpu_arg)
         set_dotted(data, "hardware.gpu", cluster.gpu.name)
         set_dotted(data, "hardware.gpus_per_node", cluster.gpus_per_node)
     return build_run_config(data, source, lines)

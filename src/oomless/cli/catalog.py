@@ -31,7 +31,8 @@ def run_models(args: argparse.Namespace) -> int:
     from ._render import console
 
     t = Table(title=f"{len(entries)} models (use the name or any alias)")
-    for col in ("name", "params", "layers", "hidden", "heads/kv", "vocab", "kind", "aliases"):
+    for col in ("name", "params", "layers", "hidden", "heads/kv", "vocab", "kind", "config",
+                "aliases"):
         t.add_column(col)
     for e in entries:
         s = e.spec
@@ -39,7 +40,7 @@ def run_models(args: argparse.Namespace) -> int:
         if s.vision:
             kind += "+vision"
         t.add_row(e.name, fmt_count(s.param_count), str(s.num_layers), str(s.hidden_size),
-                  f"{s.num_heads}/{s.num_kv_heads}", str(s.vocab_size), kind,
+                  f"{s.num_heads}/{s.num_kv_heads}", str(s.vocab_size), kind, e.provenance,
                   ", ".join(e.aliases[:3]))
     console().print(t)
     return 0
@@ -49,6 +50,8 @@ def _model_row(entry) -> dict:
     d = entry.spec.to_dict()
     d["param_count"] = entry.spec.param_count
     d["aliases"] = list(entry.aliases)
+    d["provenance"] = entry.provenance
+    d["source"] = entry.source
     return d
 
 
@@ -66,11 +69,13 @@ def run_gpus(args: argparse.Namespace) -> int:
 
     from ._render import console
 
-    t = Table(title=f"{len(gpus)} GPUs (--gpu NAME or NAMExCOUNT)")
+    t = Table(title=f"{len(gpus)} GPUs (--gpu NAME or NAMExCOUNT, or a size: --gpu 24gb; "
+                    "* memory total taken from a sibling card)")
     for col in ("name", "memory", "bf16", "bf16 TFLOP/s", "GB/s", "link", "aliases"):
         t.add_column(col)
     for g in gpus:
-        t.add_row(g.name, fmt_bytes(g.memory_bytes), "yes" if g.bf16 else "no",
+        t.add_row(g.name, fmt_bytes(g.memory_bytes) + ("*" if g.memory_inferred else ""),
+                  "yes" if g.bf16 else "no",
                   f"{g.bf16_tflops:g}", f"{g.memory_bandwidth_gbs:g}",
                   f"{g.interconnect} {g.interconnect_gbs:g}", ", ".join(g.aliases[:3]))
     console().print(t)

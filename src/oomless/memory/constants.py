@@ -11,16 +11,7 @@ from ..units import MiB
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 
-# bitsandbytes 4-bit (NF4/FP4): 2 params per byte; one absmax per block of 64
-# params. Double quantization stores the absmax as 8-bit with one fp32 absmax
-# per 256 blocks (Dettmers et al. 2023, QLoRA, §3; bitsandbytes
-# functional.quantize_4bit, blocksize=64, compress_statistics).
-NF4_BLOCK = 64
-NF4_DQ_BLOCK = 256
-NF4_BYTES_PER_PARAM_DQ = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_DQ_BLOCK)  # 0.5159
-NF4_BYTES_PER_PARAM = 0.5 + 4 / NF4_BLOCK  # 0.5625, fp32 absmax per block
-# LLM.int8 (bitsandbytes Int8Params): int8 weight + one fp32 scale per output row.
-INT8_ROW_SCALE_BYTES = 4
+# bitsandbytes NF4/FP4 and the other quantized storage formats: models/quantization.py.
 
 # Optimizer state bytes per trainable parameter.
 # AdamW: exp_avg + exp_avg_sq in the parameter's dtype (torch.optim.AdamW).

@@ -58,7 +58,7 @@ def finish_estimate(*, spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None,
         "replays the real stream)",
         "CUDA context 500 MiB (lazy loading); NCCL 300 MiB per GPU when world size > 1; "
         "cuBLAS/cuBLASLt workspaces inside PyTorch's allocator",
-    ]
+    ] + (cluster.gpu.assumptions if cluster else [])
     extra = dict(extra or {})
     extra["allocator_reserve_bytes"] = reserve
     if paged_bytes:

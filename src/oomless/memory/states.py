@@ -11,6 +11,7 @@ from ..knobs import OPTIMIZERS
 from ..models.spec import LinearSpec, ModelSpec
 from . import constants as C
 from .precision import Dtypes
+from .quantized import check_prequantized, quantized_weight_bytes
 
 # Module names people write in LoRA target lists → our canonical names
 # (ChatGLM, Phi-2, GPT-2, Mixtral-legacy, InternLM spellings).
@@ -97,16 +98,9 @@ class States:
 
 
 def weight_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
-    """Bytes of the base model's weights on one GPU before any ZeRO-3 sharding."""
-    total = spec.param_count
-    if cfg.method != "qlora":
-        return total * dt.base_weight_bytes
-    quantized = decoder_linear_weight_params(spec)
-    if cfg.quantization.bits == 4:
-        per = C.NF4_BYTES_PER_PARAM_DQ if cfg.quantization.double_quant else C.NF4_BYTES_PER_PARAM
-    else:
-        per = 1.0  # int8 + per-row scales (added below, small)
-    return quantized * per + (total - quantized) * dt.base_weight_bytes
+    """Bytes of the base model's weights on one GPU before any ZeRO-3 sharding
+    (quantized linears at their storage bytes: memory/quantized.py)."""
+    return quantized_weight_bytes(spec, cfg, dt)
 
 
 def optimizer_bytes_per_param(cfg: RunConfig, dt: Dtypes) -> float:
@@ -140,6 +134,7 @@ def adafactor_bytes(spec: ModelSpec, cfg: RunConfig, targets: set[str]) -> int:
 
 def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     """Persistent per-GPU bytes of weights, adapters, grads, master and optimizer."""
+    check_prequantized(spec, cfg)
     st = States()
     n = cfg.world_size
     targets = lora_targets(spec, cfg.lora.targets) if cfg.method != "full" else set()

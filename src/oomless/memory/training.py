@@ -16,6 +16,7 @@ from . import constants as C
 from .activations import LayerPlan, layer_activation_bytes
 from .overheads import finish_estimate
 from .precision import Dtypes, dtypes_for
+from .quantized import quantization_assumptions, saved_dequant_bytes, transient_dequant_bytes
 from .states import States, lora_targets, model_states
 
 
@@ -73,7 +74,10 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
         layers = spec.num_layers * dt.resid_bytes * t * spec.hidden_size
     else:
         layers = (spec.num_layers - n_moe) * dense + n_moe * moe
-    return {"layers": layers + shared, "one_layer": one_layer}
+    # 16-bit weights a dequantize-then-matmul kernel keeps for backward (GPTQ)
+    dequant = saved_dequant_bytes(spec, cfg, dt)
+    return {"layers": layers + shared + dequant["layers"],
+            "one_layer": one_layer + dequant["one_layer"]}
 
 
 def _layer_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: LayerPlan,
@@ -101,16 +105,14 @@ def backward_transient_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int
     """Gradients of one layer's intermediates while it back-propagates: the
     MLP's three (t × intermediate) grads plus two residual-stream grads; under
     full fine-tuning also one weight gradient in 16-bit before accumulation;
-    QLoRA dequantises one weight to 16-bit (bitsandbytes MatMul4Bit)."""
+    a quantized base dequantises one weight to 16-bit (memory/quantized.py)."""
     width = spec.moe_intermediate_size * spec.experts_per_token if spec.is_moe else 0
     width = max(width, spec.intermediate_size)
     tr = 3 * dt.act_bytes * t * width + 2 * dt.resid_bytes * t * spec.hidden_size
     biggest = max(lin.weight_params // lin.count for lin in spec.layer_linears())
     if cfg.method == "full":
         tr += dt.act_bytes * biggest
-    if cfg.method == "qlora":
-        tr += 2 * biggest
-    return tr
+    return tr + transient_dequant_bytes(spec, cfg, dt)
 
 
 def largest_block_bytes(spec: ModelSpec, cfg: RunConfig) -> int:
@@ -248,6 +250,7 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     ]
     if cfg.method != "full":
         out.append("LoRA adapters in fp32 (PEFT autocast_adapter_dtype) under bf16/fp16 autocast")
+    out += quantization_assumptions(spec, cfg)
     if spec.vision:
         out.append(
             "vision tower frozen and run without gradients (LLaMA-Factory's default "

@@ -38,9 +38,17 @@ class CatalogEntry:
     aliases: tuple[str, ...]
     source: str  # where the stored config.json content was copied from
     family: str = ""
+    # exact | copy-edited | reconstructed | transcribed (models.json "notes" defines them)
+    provenance: str = "transcribed"
     published_params: int | None = None  # the count the model card/paper states, if stated exactly
     notes: str = ""
     _config_json: str = field(default="{}", repr=False)  # kept as text: the entry stays immutable
+    _preprocessor_json: str = field(default="null", repr=False)
+
+    @property
+    def preprocessor_config(self) -> dict[str, Any] | None:
+        """The released preprocessor_config.json of a vision-language model, if stored."""
+        return json.loads(self._preprocessor_json)
 
     @property
     def config(self) -> dict[str, Any]:
@@ -69,6 +77,7 @@ class CatalogEntry:
             "vision": spec.vision is not None,
             "moe": spec.is_moe,
             "source": self.source,
+            "provenance": self.provenance,
             "notes": self.notes,
         }
 
@@ -109,7 +118,9 @@ def _entries() -> dict[str, CatalogEntry]:
             family=item.get("family", ""),
             published_params=item.get("published_params"),
             notes=item.get("notes", ""),
+            provenance=item.get("provenance", "transcribed"),
             _config_json=json.dumps(item["config"], sort_keys=True),
+            _preprocessor_json=json.dumps(item.get("preprocessor_config")),
         )
         if entry.name in out:
             raise ValueError(f"models.json: duplicate name {entry.name}")
@@ -117,17 +128,34 @@ def _entries() -> dict[str, CatalogEntry]:
     return out
 
 
+def _tokens(text: str) -> tuple[str, ...]:
+    """Words and numbers of a model name: "Qwen2.5-7B_Instruct" -> (qwen, 2.5, 7, b, instruct)."""
+    return tuple(re.findall(r"[a-z]+|\d+(?:\.\d+)?", text.strip().lower()))
+
+
+def _numbers(tokens: tuple[str, ...]) -> set[str]:
+    return {t for t in tokens if t[0].isdigit()}
+
+
 @lru_cache(maxsize=1)
 def _index() -> dict[str, str]:
-    """lookup key -> canonical name, over names, aliases, hf ids and their last path part."""
+    """lookup key -> canonical name, over names, aliases, hf ids and their last path part;
+    each also under its token key ("qwen2.5 7b instruct" finds qwen2.5-7b-instruct)."""
     index: dict[str, str] = {}
+    ambiguous: set[str] = set()
+    by_tokens: dict[str, str] = {}
     for entry in _entries().values():
         keys = {entry.name, entry.hf_id, entry.hf_id.split("/")[-1], *entry.aliases}
         for key in keys:
-            norm = _key(key)
-            owner = index.setdefault(norm, entry.name)
+            owner = index.setdefault(_key(key), entry.name)
             if owner != entry.name:
                 raise ValueError(f"models.json: alias '{key}' names both {owner} and {entry.name}")
+            token_key = "-".join(_tokens(key.split("/")[-1]))
+            if by_tokens.setdefault(token_key, entry.name) != entry.name:
+                ambiguous.add(token_key)
+    for token_key, name in by_tokens.items():
+        if token_key not in ambiguous:
+            index.setdefault(token_key, name)
     return index
 
 
@@ -144,8 +172,9 @@ def list_models() -> list[CatalogEntry]:
 
 
 def find_entry(text: str) -> CatalogEntry | None:
-    """The entry a name, alias or hf id names (case-insensitive), or None."""
-    name = _index().get(_key(text))
+    """The entry a name, alias or hf id names (case-, separator-insensitive), or None."""
+    index = _index()
+    name = index.get(_key(text)) or index.get("-".join(_tokens(text.split("/")[-1])))
     return _entries()[name] if name else None
 
 
@@ -157,24 +186,36 @@ def get_entry(name: str) -> CatalogEntry:
 
 
 def close_names(text: str, n: int = 5) -> list[str]:
-    """Catalog names closest to ``text`` (difflib over names and aliases)."""
-    index = _index()
-    close = difflib.get_close_matches(_key(text), list(index), n=n * 3, cutoff=0.5)
-    names: list[str] = []
-    for key in close:
-        if index[key] not in names:
-            names.append(index[key])
-    return names[:n]
+    """Catalog names closest to ``text``, token-aware: the family word must match, then
+    numbers decide ("Qwen3-4B-Instruct-2508" ranks qwen3-4b first: every number of it is
+    in the query), then the spelling (difflib ratio)."""
+    query = _tokens(text.split("/")[-1])
+    numbers = _numbers(query)
+    family = next((t for t in query if not t[0].isdigit() and len(t) > 1), None)
+    scores: dict[str, float] = {}
+    for key, name in _index().items():
+        tokens = _tokens(key.split("/")[-1])
+        candidate = _numbers(tokens)
+        if family and family not in tokens:
+            continue  # the family word ("qwen", "llama", "gemma") must be there
+        score = len(numbers & candidate) - len(candidate - numbers)
+        score += difflib.SequenceMatcher(None, "-".join(query), "-".join(tokens)).ratio()
+        if score > 0.5:
+            scores[name] = max(score, scores.get(name, float("-inf")))
+    return sorted(scores, key=lambda name: (-scores[name], name))[:n]
 
 
 def _unknown(text: str) -> UnknownModelError:
     names = close_names(text)
     hint = f" Closest catalog names: {', '.join(names)}." if names else ""
+    page = (f" (https://huggingface.co/{text.strip()}/blob/main/config.json)"
+            if re.fullmatch(r"[\w.-]+/[\w.-]+", text.strip()) else "")
     return UnknownModelError(
         f"unknown model '{text}': not a catalog name or alias, not a local config.json or "
         f"model folder, and not a model id in the local Hugging Face cache.{hint} "
-        "Pass a catalog name (`oomless models` lists them), a path to a config.json or a "
-        "model folder, or download the model first (oomless works offline)."
+        "Pass a catalog name (`oomless models` lists them), or the model's config.json: "
+        f"download it from the model's page{page} and run `oomless estimate path/to/config.json` "
+        "(a model folder works too; oomless works offline and downloads nothing)."
     )
 
 

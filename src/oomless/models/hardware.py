@@ -33,6 +33,18 @@ class GPUSpec:
     pcie_gbs: float  # host <-> device, one way, GB/s
     aliases: tuple[str, ...] = field(default=())
     source: str = ""
+    memory_inferred: bool = False  # no card of this kind printed its total: a sibling's figure
+    specs_unverified: bool = False  # compute/bandwidth figures not checked against a datasheet
+    assumption: str = ""  # what a generic (size-only) GPU assumes
+
+    @property
+    def assumptions(self) -> list[str]:
+        """What an estimate on this GPU takes on trust (for MemoryEstimate.assumptions)."""
+        out = [self.assumption] if self.assumption else []
+        if self.memory_inferred:
+            memory = self.source.split("|")[0].strip()
+            out.append(f"{self.display_name}: total memory not measured on this card, {memory}")
+        return out
 
     @property
     def flash_attention(self) -> bool:
@@ -72,8 +84,27 @@ class Cluster:
         }
 
 
+# Words that name the vendor or product line but never tell two cards apart.
+_NOISE_WORDS = {"nvidia", "geforce", "tesla"}
+_UNIT_WORDS = {"g": "gb", "gib": "gb"}  # "80G", "80GiB" and "80GB" name the same card
+_PRODUCT_LINES = {"rtx", "gtx"}  # "2080 ti" names the RTX 2080 Ti
+
+
+def _tokens(text: str) -> tuple[str, ...]:
+    """Lower-case words and numbers of a GPU name: "RTX2080Ti" -> ("rtx", "2080", "ti")."""
+    parts = re.findall(r"[a-z]+|\d+(?:\.\d+)?", text.strip().lower())
+    return tuple(_UNIT_WORDS.get(p, p) for p in parts if p not in _NOISE_WORDS)
+
+
 def _norm(name: str) -> str:
-    return re.sub(r"[\s_]+", "-", name.strip().lower()).removeprefix("nvidia-")
+    """Lookup key: separators, case, vendor words and letter/number boundaries do not matter."""
+    return "-".join(_tokens(name))
+
+
+def _keys(name: str) -> set[str]:
+    key = _norm(name)
+    head, _, rest = key.partition("-")
+    return {key, rest} if head in _PRODUCT_LINES and rest else {key}
 
 
 @lru_cache(maxsize=1)
@@ -91,22 +122,91 @@ def gpu_catalog() -> dict[str, GPUSpec]:
 def _gpu_index() -> dict[str, GPUSpec]:
     index: dict[str, GPUSpec] = {}
     for spec in gpu_catalog().values():
-        for key in (spec.name, spec.display_name, *spec.aliases):
-            index[_norm(key)] = spec
+        for name in (spec.name, spec.display_name, *spec.aliases):
+            for key in _keys(name):
+                owner = index.setdefault(key, spec)
+                if owner.name != spec.name:
+                    raise ValueError(f"gpus.json: '{name}' names both {owner.name} and {spec.name}")
     return index
 
 
+# --gpu 12gb / 24GiB / generic-12gb: a GPU known only by its memory total.
+_SIZE = re.compile(r"^(?:generic-?)?(?P<value>\d+(?:\.\d+)?)\s*(?P<unit>gb|gib|g)$", re.IGNORECASE)
+# What a GPU given only by its size is assumed to be: an Ampere-class data-centre
+# card (compute capability 8.0: bf16 and FlashAttention-2) with the NVIDIA A10's
+# throughput (125 TFLOP/s dense bf16, 600 GB/s, PCIe Gen4; A10 datasheet), which
+# only the planner's speed ranking uses.
+GENERIC_COMPUTE_CAPABILITY = "8.0"
+GENERIC_TFLOPS = 125.0
+GENERIC_BANDWIDTH_GBS = 600.0
+GENERIC_PCIE_GBS = 25.0
+
+
+def generic_gpu(memory_bytes: int, name: str | None = None, display_name: str | None = None,
+                source: str = "the size the user gave") -> GPUSpec:
+    """A GPU known only by its total memory (see GENERIC_* for what is assumed)."""
+    label = display_name or f"GPU with {memory_bytes / 2**30:.2f} GiB"
+    return GPUSpec(
+        name=name or f"generic-{memory_bytes}b", display_name=label, memory_bytes=memory_bytes,
+        bf16=True, bf16_tflops=GENERIC_TFLOPS, fp16_tflops=GENERIC_TFLOPS,
+        memory_bandwidth_gbs=GENERIC_BANDWIDTH_GBS, compute_capability=GENERIC_COMPUTE_CAPABILITY,
+        interconnect="pcie", interconnect_gbs=GENERIC_PCIE_GBS, pcie_gbs=GENERIC_PCIE_GBS,
+        memory_inferred=False, source=f"memory: {source} | compute: generic (assumed)",
+        assumption=(f"{label}: a generic GPU of that total (what torch.cuda.mem_get_info reports; "
+                    "a card sold as 24 GB reports about 23.6 GiB), assumed compute capability "
+                    f"{GENERIC_COMPUTE_CAPABILITY} with bf16 and FlashAttention-2 and an A10's "
+                    "speed for the planner; name a catalog GPU (`oomless gpus`) for its real figures"),
+    )
+
+
+def _sized_gpu(text: str) -> GPUSpec | None:
+    match = _SIZE.match(text.replace(" ", ""))
+    if not match:
+        return None
+    value, unit = float(match.group("value")), match.group("unit").lower()
+    if value <= 0:
+        raise UnknownGPUError(f"--gpu '{text}': a GPU size must be above 0 (e.g. 12gb or 24GiB)")
+    unit = "GiB" if unit == "gib" else "GB"
+    size = round(value * (2**30 if unit == "GiB" else 10**9))
+    label = f"{match.group('value')} {unit}"
+    return generic_gpu(size, name=f"generic-{match.group('value')}{unit.lower()}",
+                       display_name=f"generic {label} GPU")
+
+
+def close_gpus(text: str, n: int = 5) -> list[str]:
+    """Catalog GPUs whose names are close to ``text``. Numbers matter: a name
+    that shares none of the numbers the user typed is never suggested
+    ("2080ti" does not suggest the B200)."""
+    query = _norm(text)
+    numbers = {t for t in query.split("-") if t[:1].isdigit() and t != "0"}
+    scored: dict[str, float] = {}
+    for key, spec in _gpu_index().items():
+        shared = numbers & {t for t in key.split("-") if t[:1].isdigit()}
+        if numbers and not shared:
+            continue
+        score = difflib.SequenceMatcher(None, query, key).ratio() + len(shared)
+        if score >= 0.5:
+            scored[spec.name] = max(score, scored.get(spec.name, 0.0))
+    return sorted(scored, key=lambda name: (-scored[name], name))[:n]
+
+
 def get_gpu(name: str) -> GPUSpec:
-    """Look a GPU up by id or alias ("4090", "rtx-4090", "A100 80GB")."""
+    """Look a GPU up by id or alias ("4090", "rtx-4090", "A100 80GB", "2080ti") or
+    give a generic one by its size ("12gb", "24GiB")."""
+    sized = _sized_gpu(name.strip())
+    if sized is not None:
+        return sized
     index = _gpu_index()
-    key = _norm(name)
-    if key in index:
-        return index[key]
-    close = difflib.get_close_matches(key, list(index), n=5, cutoff=0.5)
-    names = sorted({index[c].name for c in close})
-    hint = f" Closest: {', '.join(names)}." if names else ""
+    for key in _keys(name):
+        if key in index:
+            return index[key]
+    if not _norm(name):
+        raise UnknownGPUError("--gpu: empty GPU name; e.g. --gpu 4090 or --gpu 24gb")
+    close = close_gpus(name)
+    hint = f" Closest: {', '.join(close)}." if close else ""
     raise UnknownGPUError(
-        f"unknown GPU '{name}'.{hint} Run `oomless gpus` for the full list."
+        f"unknown GPU '{name}'.{hint} Run `oomless gpus` for the full list, or give the "
+        "card's memory instead of a name (--gpu 12gb, --gpu 24GiB, --gpu-memory-gb 12)."
     )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from . import hf_vision
 from .hf_decoder import ConfigFields, chatglm_spec, chatglm_to_glm, decoder_spec
+from .quantization import quant_spec_from_config
 from .spec import ModelSpec
 
 __all__ = ["buildable_hf_config", "chatglm_to_glm", "spec_from_hf_config"]
@@ -20,6 +21,15 @@ __all__ = ["buildable_hf_config", "chatglm_to_glm", "spec_from_hf_config"]
 
 def spec_from_hf_config(config: dict[str, Any], name: str, where: str | None = None) -> ModelSpec:
     """A ModelSpec from a config.json dict. ``where`` (file or catalog entry) goes into errors."""
+    spec = _unquantized_spec(config, name, where)
+    qcfg = config.get("quantization_config") if isinstance(config, dict) else None
+    if qcfg is None:
+        return spec
+    quant, notes = quant_spec_from_config(qcfg, where or name)
+    return replace(spec, quantization=quant, assumptions=(*spec.assumptions, *notes))
+
+
+def _unquantized_spec(config: dict[str, Any], name: str, where: str | None) -> ModelSpec:
     f = ConfigFields(config, where or name)
     model_type = str(f.need("model_type"))
     if model_type == "chatglm":

@@ -99,6 +99,8 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "mixtral": {"tie": False},
     "qwen2_moe": {"tie": False, "bias": "qkv_always"},
     "qwen3_moe": {"tie": False, "qk_norm": True},
+    # Glm4MoeAttention: q/k/v bias = attention_bias, o_proj none; q_norm/k_norm when use_qk_norm
+    "glm4_moe": {"tie": False, "bias": "qkv"},
 }
 
 def _dtype(f: ConfigFields) -> str:
@@ -123,7 +125,7 @@ def _attention(f: ConfigFields, fam: dict[str, Any]) -> dict[str, Any]:
         "qkv_bias": qkv_bias,
         "o_bias": o_bias,
         "fused_qkv": fam.get("fused_qkv", False),
-        "qk_norm": fam.get("qk_norm", False),
+        "qk_norm": fam.get("qk_norm", False) or bool(f.get("use_qk_norm", False)),
     }
 
 
@@ -138,8 +140,8 @@ def _sliding_window(f: ConfigFields, model_type: str) -> int | None:
 
 
 def _moe(f: ConfigFields, model_type: str, num_layers: int) -> dict[str, Any]:
-    """Mixture-of-experts fields (mixtral, qwen2_moe, qwen3_moe); {} for dense models."""
-    experts = int(f.get("num_local_experts") or f.get("num_experts") or 0)
+    """Mixture-of-experts fields (mixtral, qwen2_moe, qwen3_moe, glm4_moe); {} for dense models."""
+    experts = int(f.get("num_local_experts") or f.get("num_experts") or f.get("n_routed_experts") or 0)
     if not experts:
         return {}
     out: dict[str, Any] = {
@@ -150,6 +152,8 @@ def _moe(f: ConfigFields, model_type: str, num_layers: int) -> dict[str, Any]:
         out["moe_intermediate_size"] = int(f.need("intermediate_size"))
         return out
     out["moe_intermediate_size"] = int(f.need("moe_intermediate_size"))
+    if f.get("n_shared_experts") is not None or f.get("first_k_dense_replace") is not None:
+        return out | _deepseek_style_moe(f, out["moe_intermediate_size"])
     shared = int(f.get("shared_expert_intermediate_size") or 0)
     if shared:
         out["shared_expert_intermediate_size"] = shared
@@ -163,6 +167,19 @@ def _moe(f: ConfigFields, model_type: str, num_layers: int) -> dict[str, Any]:
     )
     if len(moe_layers) != num_layers:
         out["moe_layer_indices"] = moe_layers
+    return out
+
+
+def _deepseek_style_moe(f: ConfigFields, expert_width: int) -> dict[str, Any]:
+    """GLM-4.5 (glm4_moe) keys, as DeepSeek-V3 names them: the first
+    first_k_dense_replace layers have a dense MLP; each MoE layer adds one shared
+    MLP of n_shared_experts x moe_intermediate_size (Glm4MoeMoE.shared_experts);
+    the router's e_score_correction_bias is a buffer, not a parameter."""
+    out: dict[str, Any] = {"num_dense_layers": int(f.get("first_k_dense_replace") or 0)}
+    shared = int(f.get("n_shared_experts") or 0)
+    if shared:
+        out["shared_expert_intermediate_size"] = shared * expert_width
+        out["num_shared_experts"] = shared
     return out
 
 

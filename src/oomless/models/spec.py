@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
+from .quantization import QuantSpec
+
 NormType = Literal["rms", "layer"]
 MEMO_MAX_ENTRIES = 100_000  # values memoised per ModelSpec (ModelSpec.cached)
 
@@ -111,6 +113,12 @@ class ModelSpec:
     vision: VisionSpec | None = None
     other_params: int = 0  # parameters outside the shapes above (learned positions, ...)
     dtype: str = "bfloat16"  # torch_dtype of the released weights
+    # ---- pre-quantized checkpoint -------------------------------------------
+    # The checkpoint's quantization_config (GPTQ, AWQ, AQLM, HQQ, bitsandbytes, FP8,
+    # compressed-tensors, EETQ) as read by models/quantization.py; None: 16-bit
+    # weights. Shapes and parameter counts above are those of the unquantized model.
+    quantization: QuantSpec | None = None
+    # ---------------------------------------------------------------------------
     aliases: tuple[str, ...] = field(default=(), compare=False)
     # what reading the config had to assume (defaults, image size, unknown families);
     # estimates should pass these on in their own assumptions
@@ -265,6 +273,7 @@ class ModelSpec:
         d["aliases"] = list(self.aliases)
         d["moe_layer_indices"] = list(self.moe_layer_indices)
         d["assumptions"] = list(self.assumptions)
+        d["quantization"] = self.quantization.to_dict() if self.quantization else None
         return d
 
     @classmethod
@@ -273,6 +282,8 @@ class ModelSpec:
         kwargs = {k: v for k, v in data.items() if k in known}
         if kwargs.get("vision"):
             kwargs["vision"] = VisionSpec(**kwargs["vision"])
+        if kwargs.get("quantization"):
+            kwargs["quantization"] = QuantSpec.from_dict(kwargs["quantization"])
         kwargs["aliases"] = tuple(kwargs.get("aliases", ()))
         kwargs["moe_layer_indices"] = tuple(kwargs.get("moe_layer_indices", ()))
         kwargs["assumptions"] = tuple(kwargs.get("assumptions", ()))

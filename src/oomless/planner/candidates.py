@@ -121,8 +121,12 @@ def sharding_label(zero: int, offload: str) -> str:
     return f"ZeRO-{zero}" + ("" if offload == "none" else f" + {offload} offload")
 
 
-def _methods(req: PlanRequest) -> list[tuple[str, int | None]]:
+def _methods(req: PlanRequest, spec: ModelSpec) -> list[tuple[str, int | None]]:
     base = req.base
+    if spec.quantization is not None:
+        return [("lora", None)]  # a pre-quantized checkpoint trains through adapters only
+    if base.quantization.method != "bnb" and base.method == "qlora":
+        return [("qlora", base.quantization.bits)]  # HQQ/EETQ: the bits the user chose
     if req.method_auto:
         return [("lora", None), ("qlora", 4), ("qlora", 8), ("full", None)]
     if base.method == "qlora":
@@ -243,10 +247,12 @@ def families(req: PlanRequest, spec: ModelSpec) -> Iterator[Family]:
     """Every family of candidate configurations, in preference order."""
     base = req.base
     order = 0
-    for method, bits in _methods(req):
+    for method, bits in _methods(req, spec):
         quant = base.quantization.model_copy(update={"bits": bits}) if bits else base.quantization
         for (r, targets, lora_to), (zero, offload) in product(
                 _lora_variants(req, spec, method), _shardings(req, method)):
+            if zero == 3 and spec.quantization is not None:
+                continue  # quantized checkpoints are not sharded by ZeRO-3 (LLaMA-Factory refuses)
             lora = base.lora.model_copy(update={"r": r, "targets": targets})
             group = f"{method_label(method, bits)} · {sharding_label(zero, offload)}"
             for precision in _precisions(req, method, zero):

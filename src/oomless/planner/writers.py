@@ -161,9 +161,10 @@ def llamafactory_config(cfg: RunConfig, spec: ModelSpec, model_id: str, family: 
                    "lora_dropout": cfg.lora.dropout,
                    "lora_target": "all" if targets == "all-linear" else ",".join(targets)})
     if cfg.method == "qlora":
-        lf.update({"quantization_bit": cfg.quantization.bits, "quantization_method": "bnb",
+        lf.update({"quantization_bit": cfg.quantization.bits,
+                   "quantization_method": cfg.quantization.method,
                    "double_quantization": cfg.quantization.double_quant})
-        if cfg.quantization.bits == 4:
+        if cfg.quantization.bits == 4 and cfg.quantization.method == "bnb":
             lf["quantization_type"] = cfg.quantization.type
     if cfg.eval.batch_size or cfg.eval.steps or cfg.eval.predict_with_generate:
         lf.update({"val_size": 0.05, "per_device_eval_batch_size": cfg.eval_batch_size,

@@ -176,6 +176,14 @@ def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake"
         raise TraceUnsupported("DeepSpeed ZeRO sharding and offload are not traced (one process)")
     if cfg.method == "qlora" and cfg.quantization.bits != 4:
         raise TraceUnsupported("8-bit QLoRA is not traced; only 4-bit (nf4/fp4)")
+    if cfg.method == "qlora" and cfg.quantization.method != "bnb":
+        raise TraceUnsupported(f"{cfg.quantization.method} quantization is not traced (its "
+                               "layers need the hqq/eetq library and a GPU); analytic only")
+    if hf_config.get("quantization_config"):
+        method = hf_config["quantization_config"].get("quant_method", "?")
+        raise TraceUnsupported(f"pre-quantized ({method}) checkpoints are not traced: "
+                               "transformers needs the quantization library and a GPU to build "
+                               "their layers; the estimate is analytic")
     if num_layers is not None:
         hf_config = with_num_layers(hf_config, num_layers)
     config = transformers_config(hf_config)

@@ -99,6 +99,10 @@ def _quantization_config(cfg: RunConfig, compute_dtype: Any, device_type: str) -
     from transformers import BitsAndBytesConfig
 
     q = cfg.quantization
+    if q.method != "bnb":
+        raise ConfigError(f"quantization.method {q.method}: oomless train quantizes with "
+                          "bitsandbytes only; use quantization.method: bnb (hqq and eetq are "
+                          "estimated, not trained)")
     if q.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.type,
