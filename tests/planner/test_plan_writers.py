@@ -5,7 +5,7 @@ transformers' TrainingArguments (which also runs its DeepSpeed integration's
 consistency checks), accelerate's ClusterConfig and launch parser.
 Not installable here, so checked against their argument names as data:
 - LLaMA-Factory 0.9.5: field names and choices of its argument dataclasses,
-  read from the wheel's source (oomless/data/foreign_keys.json), plus a round
+  read from the wheels' sources, every 0.8.3-0.9.5 version (oomless/data/foreign_keys.json), plus a round
   trip through our own LLaMA-Factory reader;
 - vLLM: EngineArgs field names, copied below from vllm/engine/arg_utils.py
   (vllm-project/vllm, a v0.11-era revision read with the project's code search).
@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from oomless.check import foreign_keys as K
-from oomless.check.readers import read_llamafactory
+from oomless.check.readers_lf import read_llamafactory
 from oomless.check.sources import Source
 from oomless.config import RunConfig, load_run_config
 from oomless.models.catalog import resolve_model
@@ -138,7 +138,7 @@ def test_llamafactory_yaml_uses_its_argument_names_and_reads_back(written):
     cfg, _out, files = written
     text = files["llamafactory.yaml"].read_text()
     data = yaml.safe_load(text)
-    known = K.LLAMAFACTORY_KEYS | K.TRAINING_ARGUMENTS_KEYS | K.SEQ2SEQ_EXTRA_KEYS
+    known = K.keys_of("llamafactory", *K.TRAINING_ARGUMENTS)
     assert set(data) <= known
     for key, choices in K.LLAMAFACTORY_CHOICES.items():
         assert data.get(key) is None or data[key] in choices, key
