@@ -31,7 +31,7 @@ from ..planner.request import build_request
 from ..result import TRAIN_PHASES
 from . import foreign_keys as K
 from .reading import ReadOptions, edits_for, read_sources
-from .rules import RuleContext, allowed_shardings, broken_rules
+from .rules import RuleContext, allowed_shardings, broken_rules, config_warnings
 from .settings import apply_data, unmodelled_settings
 from .sources import Reading, load_source, source_from_text
 from .textedit import set_value, unified_diff
@@ -138,6 +138,13 @@ def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: Mod
         run["model"] = opts.model
     if run.get("precision") == "bf16" and not cluster.gpu.bf16:
         run["precision"] = "fp16"  # bf16: auto / a card without bf16: the tools fall back
+    if run.get("method") == "qlora" and run.get("zero") == 3:
+        run.update(zero=0, offload="none")
+        note = ("FSDP / ZeRO-3 shards QLoRA's 4-bit base over the GPUs; oomless does not model "
+                "sharded 4-bit weights: estimated unsharded, without offload (an upper bound)")
+        if note not in reading.assumptions:
+            reading.assumptions.append(note)
+    _lora_targets(run, spec, reading)
     run["hardware"] = {**(run.get("hardware") or {}), "gpu": cluster.gpu.name,
                        "gpus_per_node": cluster.gpus_per_node, "nodes": cluster.nodes}
     if spec.vision is not None:
@@ -147,6 +154,27 @@ def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: Mod
         run["data"] = data
     main = reading.sources.get("main") or next(iter(reading.sources.values()))
     return build_run_config(run, str(main.path), main.lines)
+
+
+def _lora_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> None:
+    """Keep the LoRA targets that are linears of the language model's layers (a target
+    in the vision tower or the projector is said, not counted)."""
+    from ..memory.states import lora_targets
+
+    targets = (run.get("lora") or {}).get("targets")
+    if not isinstance(targets, list):
+        return
+    kept = []
+    for raw in targets:
+        try:
+            lora_targets(spec, [str(raw).rsplit(".", 1)[-1]])
+            kept.append(str(raw).rsplit(".", 1)[-1])
+        except ConfigError:
+            note = f"LoRA target '{raw}' is not a linear of {spec.name}'s decoder layers: not counted"
+            if note not in reading.assumptions:
+                reading.assumptions.append(note)
+    if kept:
+        run["lora"] = {**run["lora"], "targets": kept}
 
 
 def phase_device_bytes(spec: ModelSpec, cfg: RunConfig, cluster: Cluster) -> dict[str, int]:
@@ -201,40 +229,53 @@ class _Search:
     refused: list[str] = field(default_factory=list)
 
 
-def _first_allowed(s: _Search):
+def _request(s: _Search):
     shardings = allowed_shardings(s.cfg, s.ctx, s.reading.shardings)
     fixed = set(s.reading.fixed)
     if s.cfg.precision == "fp16":  # the planner's 16-bit is bf16 where the GPU has it: the
         fixed.add("precision")     # same bytes (rule no_saving_precision), so keep fp16
-    req = build_request(s.spec, s.cfg, s.cluster, headroom=s.opts.headroom, objective="change",
-                        top=CANDIDATES, fixed=frozenset(fixed), shardings=shardings)
-    for plan in search(s.spec, req).plans:
-        broken = broken_rules(s.cfg, plan.run_config(), s.ctx)
-        if not broken:
-            return plan
-        changes = ", ".join(f"{c['label']} → {c['to']}" for c in plan.changes)
-        s.refused.append(f"{changes}: refused ({'; '.join(r.forbids for r in broken)})")
-    return None
+    return build_request(s.spec, s.cfg, s.cluster, headroom=s.opts.headroom, objective="change",
+                         top=CANDIDATES, fixed=frozenset(fixed), shardings=shardings)
 
 
-def _fix(s: _Search) -> tuple[Any, dict[str, str], dict[str, str]]:
-    best = _first_allowed(s)
-    if best is None:
-        return None, {}, {}
-    new = best.run_config()
+_BATCH_KEYS = {"micro_batch_size", "grad_accum"}
+
+
+def _written(s: _Search, plan: Any) -> tuple[dict[str, str], dict[str, str]] | None:
+    """The plan as edits of the files (diffs, new texts), read back to make sure the
+    edited files say what the plan says; None when the format cannot write the batch."""
+    new = plan.run_config()
     texts = apply_edits(s.reading, edits_for(s.reading, new, s.cfg, s.spec.model_type))
     back_reading = _reread(s.reading, texts, s.opts)
     back = run_config(apply_data(back_reading, s.opts, s.spec), s.opts, s.cluster, s.spec)
-    wrong = [k for k, _l, _w in PLAN_KNOBS if _get(back, k) != _get(new, k)]
+    wrong = {k for k, _l, _w in PLAN_KNOBS if _get(back, k) != _get(new, k)}
+    if wrong and wrong <= _BATCH_KEYS and s.reading.facts.get("batch_not_in_file"):
+        return None
     if wrong:
         raise RuntimeError(f"internal error: the edited file reads back differently for "
-                           f"{wrong}; please report this configuration")
+                           f"{sorted(wrong)}; please report this configuration")
     diffs, new_texts = {}, {}
     for role, src in s.reading.sources.items():
         if texts[role] != src.text:
             diffs[str(src.path)] = unified_diff(src.text, texts[role], diff_name(src.path))
             new_texts[str(src.path)] = texts[role]
-    return best, diffs, new_texts
+    return diffs, new_texts
+
+
+def _fix(s: _Search) -> tuple[Any, dict[str, str], dict[str, str]]:
+    """The first planner candidate that no rule refuses and the files can express."""
+    for plan in search(s.spec, _request(s)).plans:
+        changes = ", ".join(f"{c['label']} → {c['to']}" for c in plan.changes)
+        broken = broken_rules(s.cfg, plan.run_config(), s.ctx)
+        if broken:
+            s.refused.append(f"{changes}: refused ({'; '.join(r.forbids for r in broken)})")
+            continue
+        written = _written(s, plan)
+        if written is None:
+            s.refused.append(f"{changes}: {s.reading.label} does not hold the batch size")
+            continue
+        return plan, *written
+    return None, {}, {}
 
 
 def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
@@ -276,6 +317,7 @@ def check(opts: CheckOptions) -> CheckResult:
     budget = int((1 - opts.headroom) * memory)
     oom = next((p for p in TRAIN_PHASES if per_phase.get(p, 0) > memory), None)
     ctx = RuleContext(reading.facts, spec, cfg.world_size, fits_gpu=oom is None)
+    reading.warnings.extend(config_warnings(cfg, ctx))
     search_state = _Search(spec, reading, cfg, cluster, opts, ctx)
     fix, diffs, new_texts = (None, {}, {})
     if per_phase[peak_phase] > budget:

@@ -77,7 +77,7 @@ def read_glm4(src: Source, model: str | None) -> Reading:
     ckpt_key = grad_ckpt_key(ta)
     grad_ckpt = bool(ta.get(ckpt_key, not layout_0414))
     run: dict[str, Any] = {
-        "model": model, "method": "lora" if peft else "full", "stack": "hf-trainer",
+        "model": model, "method": "lora" if peft else "full", "stack": "hf-trainer", "stage": "sft",
         "precision": "bf16" if peft or ta.get("deepspeed") else "pure-bf16",
         "optimizer": optimizer(str(ta.get("optim", "adamw_torch")),
                                src.where("training_args.optim"), r),

@@ -54,6 +54,7 @@ def read_hf_deepspeed(ta_src: Source | None, ds_src: Source | None, model: str |
     ds_opt = (ds.get("optimizer") or {}).get("type")
     r.run = {
         "model": model, "method": method or "full", "precision": prec, "stack": "hf-trainer",
+        "stage": "sft",
         "optimizer": "adamw" if ds_opt else optimizer(str(ta.get("optim", "adamw_torch")),
                                                        "optim", r),
         "micro_batch_size": micro, "grad_accum": accum,
@@ -167,7 +168,7 @@ def read_launch(src: Source, model: str | None) -> Reading:
     micro = a.get("per_device_train_batch_size", 8)
     flash = src.command.script.endswith("train_mem.py") and not moe_repo
     run: dict[str, Any] = {
-        "model": _launch_model(a, model, r), "method": method, "stack": "hf-trainer",
+        "model": _launch_model(a, model, r), "method": method, "stack": "hf-trainer", "stage": "sft",
         "precision": precision(a), "optimizer": optimizer(str(a.get("optim", "adamw_torch")),
                                                           src.where("optim"), r),
         "micro_batch_size": micro, "grad_accum": a.get("gradient_accumulation_steps", 1),

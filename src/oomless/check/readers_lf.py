@@ -75,10 +75,13 @@ def _stage(d: dict[str, Any], where: Callable[[str], str]) -> str:
 
 
 def _special(d: dict[str, Any], where: Callable[[str], str], r: Reading) -> bool:
+    """GaLore, BAdam, APOLLO, Adam-mini, Muon: LLaMA-Factory builds its own optimizer (and
+    refuses layer-wise GaLore / APOLLO and BAdam under distributed training)."""
     used = [k for k in SPECIAL_OPTIMIZERS if d.get(k)]
     for key in used:
         r.assumptions.append(f"{where(key)}: {key.removeprefix('use_')} replaces the optimizer; "
-                             "estimated as the AdamW states it replaces (an upper bound)")
+                             "estimated as the AdamW states it replaces (an upper bound), so no "
+                             "fix changes its optimizer, precision or sharding")
     return bool(used)
 
 
@@ -111,7 +114,7 @@ def read_lf_dict(d: dict[str, Any], where: Callable[[str], str], src: Source, mo
     if not run["model"]:
         raise ConfigError(f"{src.path}: no model_name_or_path; add it or pass --model")
     if _special(d, where, r):
-        r.fixed.add("optimizer")
+        r.fixed |= {"optimizer", "precision", "zero"}
     pre_quantized_note(run["model"], r)
     if d.get("deepspeed"):
         _s, (run["zero"], run["offload"]) = deepspeed_source(str(d["deepspeed"]), src.path,

@@ -179,11 +179,12 @@ def read_accelerate(src: Source, model: str | None, method: str | None,
                           "check it together with the training recipe (two files)")
     r.run = {"model": model, "method": method or "full", "precision": "fp32",
              "micro_batch_size": 8, "grad_accum": 1, "seq_len": seq_len or 2048,
-             "stack": "hf-trainer", "eval": {}}
+             "stack": "hf-trainer", "stage": "sft", "eval": {}}
     r.notes.append("an accelerate config alone: TrainingArguments' defaults (batch 8, "
                    "accumulation 1), --method (default full) and --seq-len (default 2048)")
     apply_accelerate(src, r)
     del r.sources["accelerate"]
+    r.facts["batch_not_in_file"] = True
     r.fixed = knob_set("zero") if "zero" not in r.fixed else knob_set()
     return r
 

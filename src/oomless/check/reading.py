@@ -39,6 +39,18 @@ _ONE_FILE: dict[str, Callable[[Source, str | None], Reading]] = {
 
 def read_sources(sources: list[Source], opts: ReadOptions) -> Reading:
     """The reading of one or two files (see the module docstring)."""
+    reading = _read(sources, opts)
+    if reading.facts.get("ds_optimizer_block"):
+        # transformers' deepspeed_optim_sched: an optimizer block replaces `optim`
+        if reading.run.get("optimizer", "adamw") != "adamw":
+            reading.warnings.append(f"optim {reading.run['optimizer']} is ignored: the DeepSpeed "
+                                    "file's optimizer block builds the optimizer (read as AdamW)")
+        reading.run["optimizer"] = "adamw"
+        reading.fixed.add("optimizer")
+    return reading
+
+
+def _read(sources: list[Source], opts: ReadOptions) -> Reading:
     if not 1 <= len(sources) <= 2:
         raise ConfigError("oomless check takes one configuration file, or two: a "
                           "TrainingArguments JSON with a DeepSpeed JSON, or a configuration "

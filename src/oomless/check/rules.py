@@ -111,3 +111,20 @@ def allowed_shardings(old: RunConfig, ctx: RuleContext,
     if (old.zero, old.offload) not in kept:
         kept.append((old.zero, old.offload))
     return tuple(kept)
+
+
+def config_warnings(cfg: RunConfig, ctx: RuleContext) -> list[str]:
+    """What the configuration as written runs into, by the same facts as the rules."""
+    out = []
+    if no_deepspeed_model(ctx) and cfg.zero > 0:
+        out.append(f"{ctx.spec.name} with DeepSpeed ZeRO-{cfg.zero}: GLM-4's finetune README says "
+                   "\"GLM-4V-9B fine-tuning cannot work properly with deepspeed\"; its LoRA needs "
+                   "about 75 GB on one GPU and cannot be split (zai-org/GLM-4#325)")
+    if deepspeed_moe(ctx) and cfg.zero == 3:
+        out.append("DeepSpeed-MoE layers under ZeRO-3: DeepSpeed asserts \"MoE not supported "
+                   "with Stage 3\"; use ZeRO-2 (with optimizer offload for more room)")
+    if cfg.offload != "none" and _bnb(cfg) and ctx.facts.get("ds_force_cpu_optimizer", True):
+        out.append(f"optim {cfg.optimizer} with DeepSpeed optimizer offload: DeepSpeed raises "
+                   "ZeRORuntimeException for a client optimizer (set an optimizer block, or "
+                   "zero_force_ds_cpu_optimizer: false with a CPU-capable optimizer)")
+    return out
