@@ -14,7 +14,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "estimate",
         help="predict per-GPU memory of a fine-tune, instantly from formulas",
         description="Predict per-GPU memory of a fine-tuning run (or, with --inference, "
-        "of generation / a vLLM engine) at its peak, by component and phase.",
+        "of generation / a vLLM engine) at its peak, by component and phase. Exit code 0: "
+        "estimated (the verdict against --gpu is printed, FITS or OUT OF MEMORY); 2: bad "
+        "input. `oomless check` exits 1 when a configuration does not fit.",
     )
     add_run_options(p)
     p.add_argument("--json", action="store_true", help="print the MemoryEstimate as JSON")
