@@ -23,10 +23,11 @@ from oomless.check import foreign_keys as K
 from oomless.check.readers_lf import read_llamafactory
 from oomless.check.sources import Source
 from oomless.config import RunConfig, load_run_config
+from oomless.memory.inference import needs_remote_code
 from oomless.models.catalog import resolve_model
 from oomless.models.hardware import parse_gpu_arg
 from oomless.planner.plan import KNOBS, _get
-from oomless.planner.writers import DATA_PLACEHOLDER, needs_remote_code, write_plan_files
+from oomless.planner.writers import DATA_PLACEHOLDER, write_plan_files
 
 # vLLM EngineArgs fields (vllm/engine/arg_utils.py, dataclass EngineArgs), the ones
 # a planner could write; the written vllm.json must use no other key.
@@ -38,6 +39,7 @@ VLLM_ENGINE_ARGS = frozenset({
     "max_num_batched_tokens", "max_num_seqs", "max_logprobs", "revision", "quantization",
     "enforce_eager", "enable_lora", "max_loras", "max_lora_rank", "fully_sharded_loras",
     "max_cpu_loras", "lora_dtype", "enable_chunked_prefill", "generation_config",
+    "disable_log_stats",
 })
 
 CASES = {

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig, dump_run_config
 from ..fileio import write_atomic
 from ..knobs import ATTENTIONS, OPTIMIZERS
+from ..memory.inference import EngineRequest, needs_remote_code
+from ..memory.inference import vllm_engine_args as vllm_engine_args_for
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 
@@ -40,18 +43,8 @@ LF_TEMPLATE_BY_FAMILY = {"glm4": "glm4", "qwen2.5": "qwen", "qwen2-moe": "qwen",
                          "qwen2.5-vl": "qwen2_vl", "qwen3": "qwen3", "llama2": "llama2",
                          "llama3": "llama3", "mistral": "mistral", "mixtral": "mistral",
                          "gemma2": "gemma2", "phi3": "phi", "llava": "llava"}
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
 DEFAULT_MAX_NEW_TOKENS = 512  # inference length when the plan has no generation setting
-# model_type of models that ship their own modeling code (the Hub's custom_code tag):
-# THUDM/glm-4-9b-chat and glm-4v-9b (chatglm), Qwen/Qwen-7B (qwen), internlm2-chat-7b
-# (internlm2), openbmb MiniCPM(-V), MoE-LLaVA
-REMOTE_CODE_MODEL_TYPES = frozenset({"chatglm", "qwen", "internlm", "internlm2", "minicpm",
-                                     "minicpmv", "moe_llava_phi", "moe_llava"})
 DATA_PLACEHOLDER = "YOUR_TRAINING_DATA.jsonl"  # written when `plan` got no --data
-
-
-def needs_remote_code(spec: ModelSpec) -> bool:
-    return spec.model_type in REMOTE_CODE_MODEL_TYPES
 
 
 def total_steps(cfg: RunConfig, samples: int | None) -> int | None:
@@ -215,32 +208,20 @@ def llamafactory_config(cfg: RunConfig, spec: ModelSpec, model_id: str, family: 
 
 def vllm_engine_args(cfg: RunConfig, spec: ModelSpec, cluster: Cluster,
                      model_id: str) -> dict[str, Any]:
-    """vLLM EngineArgs for generation with the trained model: max_model_len =
-    cutoff + max_new_tokens; gpu_memory_utilization = the smallest that holds
-    max_num_seqs full-length sequences (oomless.memory.vllm_budget), one GPU
-    per engine, tensor parallel over the node's GPUs when one GPU cannot hold it."""
-    from ..memory import vllm_budget
-
+    """vLLM EngineArgs for generation with the trained model (memory.inference's, as
+    `oomless infer` uses them): max_model_len = cutoff + max_new_tokens; the largest
+    max_num_seqs (256 down, halving) whose full-length sequences the card holds at a
+    utilization the memory model computes; one GPU per engine."""
     new_tokens = cfg.eval.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-    max_len = cfg.seq_len + new_tokens
-    rank = 0 if cfg.method == "full" else cfg.lora.r
-    seqs = 256
-    budget = vllm_budget(spec, cluster.gpu, max_len, seqs, lora_rank=rank)
-    while not budget.fits or budget.gpu_memory_utilization > 0.95:
-        if seqs == 1:
-            break
-        seqs //= 2
-        budget = vllm_budget(spec, cluster.gpu, max_len, seqs, lora_rank=rank)
-    args: dict[str, Any] = {
-        "model": model_id, "dtype": "bfloat16" if cluster.gpu.bf16 else "float16",
-        "max_model_len": max_len, "gpu_memory_utilization": budget.gpu_memory_utilization,
-        "max_num_seqs": seqs, "enable_prefix_caching": True,
-        "enable_lora": cfg.method != "full", "tensor_parallel_size": 1,
-        "trust_remote_code": needs_remote_code(spec),
-    }
+    req = EngineRequest(model=model_id, max_model_len=cfg.seq_len + new_tokens,
+                        lora_rank=0 if cfg.method == "full" else cfg.lora.r,
+                        trust_remote_code=cfg.training.trust_remote_code)
+    args, budget = vllm_engine_args_for(spec, cluster.gpu, req)
+    while (not budget.fits or not budget.holds_max_num_seqs) and req.max_num_seqs > 1:
+        req = replace(req, max_num_seqs=req.max_num_seqs // 2)
+        args, budget = vllm_engine_args_for(spec, cluster.gpu, req)
     if cfg.method != "full":
-        args.update({"max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= cfg.lora.r),
-                     "max_loras": 1})
+        args["max_loras"] = 1
     return args
 
 
