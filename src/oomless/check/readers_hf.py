@@ -157,10 +157,23 @@ def _launch_method(a: dict[str, Any], src: Source, r: Reading) -> tuple[str, dic
     return "full", extra
 
 
+def _launch_stack(src: Source, r: Reading) -> str:
+    """LLaVA and MoE-LLaVA train with a transformers Trainer subclass; another script
+    is a custom loop as far as we know (its TrainingArguments still read)."""
+    script = src.command.script
+    if "llava" in script or "moe_enable" in src.data:
+        return "hf-trainer"
+    r.notes.append(f"{script}: not a script oomless knows; its --key value arguments are read "
+                   "as transformers TrainingArguments (stack custom-loop)")
+    return "custom-loop"
+
+
 def read_launch(src: Source, model: str | None) -> Reading:
     moe_repo = "moellava" in src.command.script or "moe_enable" in src.data
-    r = Reading("launch", "LLaVA launch script" if not moe_repo else "MoE-LLaVA launch script",
-                {"main": src}, {})
+    llava = "llava" in src.command.script
+    label = "MoE-LLaVA launch script" if moe_repo else (
+        "LLaVA launch script" if llava else "launch script")
+    r = Reading("launch", label, {"main": src}, {})
     check_keys(src, "launch", reading=r)
     a = src.data
     shipped = MOE_LLAVA_DEEPSPEED if moe_repo else LLAVA_DEEPSPEED
@@ -168,7 +181,8 @@ def read_launch(src: Source, model: str | None) -> Reading:
     micro = a.get("per_device_train_batch_size", 8)
     flash = src.command.script.endswith("train_mem.py") and not moe_repo
     run: dict[str, Any] = {
-        "model": _launch_model(a, model, r), "method": method, "stack": "hf-trainer", "stage": "sft",
+        "model": _launch_model(a, model, r), "method": method, "stack": _launch_stack(src, r),
+        "stage": "sft",
         "precision": precision(a), "optimizer": optimizer(str(a.get("optim", "adamw_torch")),
                                                           src.where("optim"), r),
         "micro_batch_size": micro, "grad_accum": a.get("gradient_accumulation_steps", 1),
@@ -192,6 +206,8 @@ def read_launch(src: Source, model: str | None) -> Reading:
     r.run = run
     r.shardings = tuple(shipped)  # the launcher is deepspeed: a fix names a shipped file
     r.fixed |= knob_set("grad_ckpt", "optimizer", "zero", "eval_batch", "lora", "quantization")
+    if run["stack"] == "custom-loop" and not a.get("deepspeed"):
+        r.fixed.add("zero")  # no DeepSpeed file of its own to point a fix at
     return r
 
 
