@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import RunConfig
-from ..knobs import optimizer_from_hf
+from ..knobs import OPTIMIZERS, optimizer_from_hf
 from .sources import Reading
 
 # Module names the model's own code uses, for writing LoRA targets back
@@ -66,14 +66,34 @@ def pre_quantized_note(model: str | None, reading: Reading) -> None:
             "reads it, else as 16-bit (an upper bound)")
 
 
+# The knobs most formats write as one key each: knob -> its value in a RunConfig
+_ONE_KEY: dict[str, Callable[[RunConfig], Any]] = {
+    "micro": lambda c: c.micro_batch_size, "accum": lambda c: c.grad_accum,
+    "eval": lambda c: c.eval.batch_size, "grad_ckpt": lambda c: c.grad_ckpt,
+    "optim": lambda c: OPTIMIZERS[c.optimizer].hf_optim, "seq_len": lambda c: c.seq_len,
+    "lora_r": lambda c: c.lora.r, "packing": lambda c: c.data.packing,
+}
+
+
+def knob_edits(cfg: RunConfig, old: RunConfig, put: Callable[[str, Any], None],
+               keys: dict[str, str]) -> None:
+    """``put(file key, new value)`` for every knob of ``keys`` (knob -> the format's key)
+    whose value changed."""
+    for knob, key in keys.items():
+        new, was = _ONE_KEY[knob](cfg), _ONE_KEY[knob](old)
+        if new != was and (new is not None):
+            put(key, new)
+
+
+# TrainingArguments' names of the batch and optimizer knobs
+HF_KEYS = {"micro": "per_device_train_batch_size", "accum": "gradient_accumulation_steps",
+           "eval": "per_device_eval_batch_size", "optim": "optim"}
+
+
 def batch_edits(cfg: RunConfig, old: RunConfig, put: Callable[[str, Any], None], micro: str,
                 accum: str, ev: str | None) -> None:
-    if cfg.micro_batch_size != old.micro_batch_size:
-        put(micro, cfg.micro_batch_size)
-    if cfg.grad_accum != old.grad_accum:
-        put(accum, cfg.grad_accum)
-    if ev and cfg.eval.batch_size != old.eval.batch_size and cfg.eval.batch_size:
-        put(ev, cfg.eval.batch_size)
+    keys = {"micro": micro, "accum": accum, **({"eval": ev} if ev else {})}
+    knob_edits(cfg, old, put, keys)
 
 
 def hf_eval(d: dict[str, Any], micro: int, new_tokens: int | None) -> dict[str, Any]:

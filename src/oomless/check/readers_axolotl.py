@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
-from ..knobs import OPTIMIZERS
-from .common import batch_edits, optimizer, pre_quantized_note
+from .common import knob_edits, optimizer, pre_quantized_note
 from .dsfiles import AXOLOTL_DEEPSPEED, deepspeed_source
 from .sources import Reading, Source, check_keys, knob_set
 
@@ -120,24 +119,17 @@ def axolotl_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
                   model_type: str) -> list[tuple[str, tuple, Any]]:
     out: list[tuple[str, tuple, Any]] = []
     put = lambda key, value: out.append(("main", (key,), value))  # noqa: E731
-    batch_edits(cfg, old, put, "micro_batch_size", "gradient_accumulation_steps",
-                "eval_batch_size")
-    if cfg.grad_ckpt != old.grad_ckpt:
-        put("gradient_checkpointing", cfg.grad_ckpt)
-    if cfg.optimizer != old.optimizer:
-        put("optimizer", OPTIMIZERS[cfg.optimizer].hf_optim)
-    if cfg.seq_len != old.seq_len:
-        put("sequence_len", cfg.seq_len)
-    if cfg.lora.r != old.lora.r:
-        put("lora_r", cfg.lora.r)
+    knob_edits(cfg, old, put, {
+        "micro": "micro_batch_size", "accum": "gradient_accumulation_steps",
+        "eval": "eval_batch_size", "grad_ckpt": "gradient_checkpointing",
+        "optim": "optimizer", "seq_len": "sequence_len", "lora_r": "lora_r",
+        "packing": "sample_packing"})
     if cfg.method == "qlora" and cfg.quantization.bits != old.quantization.bits:
         put("load_in_4bit", cfg.quantization.bits == 4)
         put("load_in_8bit", cfg.quantization.bits == 8)
         put("adapter", "qlora" if cfg.quantization.bits == 4 else "lora")
     if cfg.attn != old.attn:
         put("flash_attention", cfg.attn == "flash")
-    if cfg.data.packing != old.data.packing:
-        put("sample_packing", cfg.data.packing)
     if (cfg.zero, cfg.offload) != (old.zero, old.offload):
         put("deepspeed", AXOLOTL_DEEPSPEED.get((cfg.zero, cfg.offload)))
     return out

@@ -16,7 +16,7 @@ from typing import Any
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..knobs import OPTIMIZERS
-from .common import batch_edits, grad_ckpt_key, hf_eval, optimizer, precision
+from .common import HF_KEYS, batch_edits, grad_ckpt_key, hf_eval, knob_edits, optimizer, precision
 from .dsfiles import LLAVA_DEEPSPEED, MOE_LLAVA_DEEPSPEED, deepspeed_source, read_deepspeed
 from .shellargs import launcher_world_size
 from .sources import Reading, Source, check_keys, knob_set
@@ -215,14 +215,8 @@ def launch_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
                  model_type: str) -> list[tuple[str, tuple, Any]]:
     out: list[tuple[str, tuple, Any]] = []
     put = lambda key, value: out.append(("main", (key,), value))  # noqa: E731
-    batch_edits(cfg, old, put, "per_device_train_batch_size", "gradient_accumulation_steps",
-                "per_device_eval_batch_size")
-    if cfg.grad_ckpt != old.grad_ckpt:
-        put("gradient_checkpointing", cfg.grad_ckpt)
-    if cfg.optimizer != old.optimizer:
-        put("optim", OPTIMIZERS[cfg.optimizer].hf_optim)
-    if cfg.lora.r != old.lora.r:
-        put("lora_r", cfg.lora.r)
+    knob_edits(cfg, old, put, {**HF_KEYS, "grad_ckpt": "gradient_checkpointing",
+                               "lora_r": "lora_r"})
     if cfg.quantization.bits != old.quantization.bits and cfg.method == "qlora":
         put("bits", cfg.quantization.bits)
     if (cfg.zero, cfg.offload) != (old.zero, old.offload):

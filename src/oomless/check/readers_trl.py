@@ -17,8 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import RunConfig
-from ..knobs import OPTIMIZERS
-from .common import batch_edits, grad_ckpt_key, hf_eval, optimizer, precision
+from .common import HF_KEYS, grad_ckpt_key, hf_eval, knob_edits, optimizer, precision
 from .sources import Reading, Source, check_keys, knob_set
 
 TRL_DEFAULT_MAX_LENGTH = 1024  # SFTConfig / DPOConfig max_length default (TRL ≥ 0.16)
@@ -105,14 +104,7 @@ def trl_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
     out: list[tuple[str, tuple, Any]] = []
     put = lambda key, value: out.append(("main", (key,), value))  # noqa: E731
     data = reading.sources["main"].data
-    batch_edits(cfg, old, put, "per_device_train_batch_size", "gradient_accumulation_steps",
-                "per_device_eval_batch_size")
-    if cfg.grad_ckpt != old.grad_ckpt:
-        put(grad_ckpt_key(data), cfg.grad_ckpt)
-    if cfg.optimizer != old.optimizer:
-        put("optim", OPTIMIZERS[cfg.optimizer].hf_optim)
-    if cfg.lora.r != old.lora.r:
-        put("lora_r", cfg.lora.r)
+    knob_edits(cfg, old, put, {**HF_KEYS, "grad_ckpt": grad_ckpt_key(data), "lora_r": "lora_r"})
     if cfg.lora.targets != old.lora.targets and cfg.lora.targets != "all-linear":
         put("lora_target_modules", list(cfg.lora.targets))
     if cfg.quantization.bits != old.quantization.bits and cfg.method == "qlora":
