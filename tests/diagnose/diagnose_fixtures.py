@@ -21,3 +21,8 @@ def as_bytes(number: str, unit: str) -> int:
 
 def all_fixture_logs() -> list[str]:
     return sorted(p.name for p in FIXTURES.glob("*.log"))
+
+
+def real_logs() -> list[str]:
+    """The logs users pasted into issues (real/), as paths relative to FIXTURES."""
+    return sorted(f"real/{p.name}" for p in (FIXTURES / "real").glob("*.log"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 
-from diagnose_fixtures import FIXTURES, all_fixture_logs, read_fixture
+from diagnose_fixtures import FIXTURES, all_fixture_logs, read_fixture, real_logs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
@@ -15,7 +15,7 @@ from oomless.diagnose import diagnose_text
 from oomless.diagnose.render import render
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-LOGS = {name: read_fixture(name) for name in all_fixture_logs()}
+LOGS = {name: read_fixture(name) for name in [*all_fixture_logs(), *real_logs()]}
 CONFIG = load_run_config(FIXTURES / "seed002_oomless.yaml")
 # Pieces that steer mutations into the parsers' corners: units, signs, huge and empty numbers.
 TOKENS = ["0", "-1", "00", "9" * 30, ".", "0.00 bytes", "GiB", "MiB", "bytes", "(", ")", ";", ",",

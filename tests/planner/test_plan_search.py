@@ -159,7 +159,8 @@ def test_plan_cli_stays_torch_free_and_writes_files(tmp_path):
     tail = json.loads(proc.stdout.strip().splitlines()[-1])
     assert tail == {"rc": 0, "heavy": []}
     assert {p.name for p in tmp_path.iterdir()} == {
-        "oomless.yaml", "accelerate.yaml", "training_args.json", "llamafactory.yaml", "vllm.json"}
+        "oomless.yaml", "accelerate.yaml", "training_args.json", "llamafactory.yaml", "vllm.json",
+        "README.md"}
 
 
 def _write_records(path, lengths_chars):

@@ -5,7 +5,7 @@ transformers' TrainingArguments (which also runs its DeepSpeed integration's
 consistency checks), accelerate's ClusterConfig and launch parser.
 Not installable here, so checked against their argument names as data:
 - LLaMA-Factory 0.9.5: field names and choices of its argument dataclasses,
-  read from the wheel's source (oomless/data/foreign_keys.json), plus a round
+  read from the wheels' sources, every 0.8.3-0.9.5 version (oomless/data/foreign_keys.json), plus a round
   trip through our own LLaMA-Factory reader;
 - vLLM: EngineArgs field names, copied below from vllm/engine/arg_utils.py
   (vllm-project/vllm, a v0.11-era revision read with the project's code search).
@@ -13,19 +13,21 @@ Not installable here, so checked against their argument names as data:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import yaml
 
 from oomless.check import foreign_keys as K
-from oomless.check.readers import read_llamafactory
+from oomless.check.readers_lf import read_llamafactory
 from oomless.check.sources import Source
 from oomless.config import RunConfig, load_run_config
+from oomless.memory.inference import needs_remote_code
 from oomless.models.catalog import resolve_model
 from oomless.models.hardware import parse_gpu_arg
 from oomless.planner.plan import KNOBS, _get
-from oomless.planner.writers import write_plan_files
+from oomless.planner.writers import DATA_PLACEHOLDER, write_plan_files
 
 # vLLM EngineArgs fields (vllm/engine/arg_utils.py, dataclass EngineArgs), the ones
 # a planner could write; the written vllm.json must use no other key.
@@ -37,6 +39,7 @@ VLLM_ENGINE_ARGS = frozenset({
     "max_num_batched_tokens", "max_num_seqs", "max_logprobs", "revision", "quantization",
     "enforce_eager", "enable_lora", "max_loras", "max_lora_rank", "fully_sharded_loras",
     "max_cpu_loras", "lora_dtype", "enable_chunked_prefill", "generation_config",
+    "disable_log_stats",
 })
 
 CASES = {
@@ -82,8 +85,49 @@ def _strings(obj):
 
 def test_oomless_yaml_is_the_plan(written):
     cfg, out, files = written
-    assert load_run_config(files["oomless.yaml"]) == cfg
+    back = load_run_config(files["oomless.yaml"])
+    assert back.data.train_file == DATA_PLACEHOLDER  # no --data: the placeholder README explains
+    assert DATA_PLACEHOLDER in files["README.md"].read_text()
+    remote = needs_remote_code(resolve_model(cfg.model).spec)
+    assert back.training.trust_remote_code == remote
+    assert back.replace(**{"data.train_file": None, "training.trust_remote_code": False}) == cfg
     assert not list(out.glob("*.tmp"))
+
+
+def test_models_with_their_own_code_get_trust_remote_code_in_every_file(written):
+    cfg, _out, files = written
+    remote = needs_remote_code(resolve_model(cfg.model).spec)
+    assert remote == (cfg.model == "glm-4-9b-chat")
+    assert load_run_config(files["oomless.yaml"]).training.trust_remote_code == remote
+    assert yaml.safe_load(files["llamafactory.yaml"].read_text()).get("trust_remote_code",
+                                                                         False) == remote
+    assert json.loads(files["vllm.json"].read_text())["trust_remote_code"] == remote
+
+
+def test_warmup_is_never_a_fractional_warmup_steps(written):
+    _cfg, _out, files = written
+    for name in ("training_args.json", "llamafactory.yaml"):
+        data = yaml.safe_load(files[name].read_text())
+        assert "warmup_steps" not in data or isinstance(data["warmup_steps"], int)
+        assert data.get("warmup_ratio") == 0.03 or data.get("warmup_steps")
+
+
+def test_data_gives_the_train_file_and_whole_warmup_steps(tmp_path):
+    from oomless.planner.datastats import DataProfile
+
+    cfg = RunConfig.model_validate({"model": "qwen2.5-0.5b-instruct", "micro_batch_size": 4,
+                                    "grad_accum": 2, "hardware": {"gpu": "rtx-4090"}})
+    spec = resolve_model(cfg.model).spec
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    profile = DataProfile(file=str(data), source="test", lengths=(10,) * 800, records=800)
+    paths = {p.name: p for p in write_plan_files(tmp_path / "out", cfg, spec,
+                                                  parse_gpu_arg("rtx-4090"), "Qwen/x", "",
+                                                  data=profile)}
+    assert load_run_config(paths["oomless.yaml"]).data.train_file == str(data.resolve())
+    args = json.loads(paths["training_args.json"].read_text())
+    assert args["warmup_steps"] == 3 and "warmup_ratio" not in args  # 3% of 100 steps
+    assert "YOUR_TRAINING_DATA" not in paths["README.md"].read_text()
 
 
 def test_deepspeed_json_loads_in_deepspeed_with_no_auto(written):
@@ -111,6 +155,11 @@ def test_training_args_json_builds_transformers_training_arguments(written, monk
 
     cfg, _out, files = written
     kwargs = json.loads(files["training_args.json"].read_text())
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    if "warmup_ratio" in kwargs and "warmup_ratio" not in fields:
+        # what the written README says for transformers after 5.14
+        assert "write the same fraction as `warmup_steps`" in files["README.md"].read_text()
+        kwargs["warmup_steps"] = kwargs.pop("warmup_ratio")
     if not torch.cuda.is_available():
         kwargs["use_cpu"] = True  # bf16/fp16 need a GPU; everything else is checked as is
     args = TrainingArguments(**kwargs)
@@ -138,7 +187,7 @@ def test_llamafactory_yaml_uses_its_argument_names_and_reads_back(written):
     cfg, _out, files = written
     text = files["llamafactory.yaml"].read_text()
     data = yaml.safe_load(text)
-    known = K.LLAMAFACTORY_KEYS | K.TRAINING_ARGUMENTS_KEYS | K.SEQ2SEQ_EXTRA_KEYS
+    known = K.keys_of("llamafactory", *K.TRAINING_ARGUMENTS)
     assert set(data) <= known
     for key, choices in K.LLAMAFACTORY_CHOICES.items():
         assert data.get(key) is None or data[key] in choices, key

@@ -1,40 +1,42 @@
 """``oomless check``: will a configuration people already have run out of memory,
 in which phase, and what is the smallest change to the same file that fits.
 
-The files are read by oomless.check.readers into a RunConfig, estimated with
-the analytic model, and, when the predicted device peak exceeds the budget
+The files are read by oomless.check.reading into a RunConfig, estimated with
+the analytic model, and, when the predicted device peak is above the budget
 ((1 − headroom) × GPU memory), the planner searches with the "change"
 objective — the fewest, cheapest knob changes at the same effective batch,
-restricted to what the file's format can express. The change is written back
+restricted to what the file's format can express — and the first candidate
+that no rule of check/rules.py forbids is the fix. The change is written back
 as edits of the same file(s), shown as a unified diff, and read back again to
 make sure the edited file says what the plan says.
+
+Verdicts: "fits" (within the headroom, exit 0), "tight" (fits the GPU but
+not the headroom, exit 1 with the fix), "out_of_memory" (exit 1).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig, build_run_config
-from ..errors import ConfigError
-from ..models.hardware import Cluster, parse_gpu_arg
+from ..errors import ConfigError, UnknownGPUError
+from ..models.hardware import Cluster, get_gpu, parse_gpu_arg
 from ..models.spec import ModelSpec
 from ..planner.plan import KNOBS as PLAN_KNOBS
 from ..planner.plan import _get, search
 from ..planner.request import build_request
 from ..result import TRAIN_PHASES
-from .readers import (
-    glm_edits,
-    hf_edits,
-    lf_edits,
-    oomless_edits,
-    read_glm4,
-    read_hf_deepspeed,
-    read_llamafactory,
-    read_oomless,
-)
-from .sources import Reading, detect_kind, load_source, source_from_text
-from .textedit import set_json, set_yaml, unified_diff
+from . import foreign_keys as K
+from .reading import ReadOptions, edits_for, read_sources
+from .rules import RuleContext, allowed_shardings, broken_rules, config_warnings
+from .settings import apply_data, unmodelled_settings
+from .sources import Reading, load_source, source_from_text
+from .textedit import set_value, unified_diff
+
+CANDIDATES = 40  # planner candidates tried against the rules, smallest change first
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class CheckOptions:
     images: int | None = None
     headroom: float = 0.10
     host_ram_gb: float | None = None
+    strict: bool = False
+    data: str | None = None
 
 
 @dataclass(frozen=True)
@@ -66,71 +70,111 @@ class CheckResult:
     oom_phase: str | None  # first phase, in run order, predicted above the GPU's memory
     fix: dict[str, Any] | None = None  # Plan.to_dict() of the smallest change that fits
     diffs: dict[str, str] = field(default_factory=dict)
+    new_texts: dict[str, str] = field(default_factory=dict)  # edited text per file
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # keys no version of the tool knows
+    refused: list[str] = field(default_factory=list)  # candidate fixes a rule refused
     assumptions: list[str] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
+        """Within the GPU's memory (the headroom aside)."""
         return self.oom_phase is None
 
     @property
     def within_budget(self) -> bool:
         return self.device_peak_bytes <= self.budget_bytes
 
+    @property
+    def verdict(self) -> str:
+        if self.within_budget:
+            return "fits"
+        return "tight" if self.fits else "out_of_memory"
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.within_budget else 1
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(fits=self.fits, within_budget=self.within_budget)
+        d.pop("new_texts")
+        d.update(fits=self.fits, within_budget=self.within_budget, verdict=self.verdict)
         return d
 
 
 def read_files(opts: CheckOptions) -> Reading:
-    if not 1 <= len(opts.files) <= 2:
-        raise ConfigError("oomless check takes one configuration file, or a DeepSpeed JSON "
-                          "and a TrainingArguments JSON")
     sources = [load_source(f, "main") for f in opts.files]
-    kinds = [detect_kind(s) for s in sources]
-    if len(sources) == 2 or kinds[0] in ("deepspeed", "training_args"):
-        if len(set(kinds)) != len(kinds) or not set(kinds) <= {"deepspeed", "training_args"}:
-            raise ConfigError(f"two files must be a DeepSpeed JSON and a TrainingArguments "
-                              f"JSON; got {', '.join(kinds)}")
-        by = {k: s for k, s in zip(kinds, sources, strict=True)}
-        for role, src in by.items():
-            src.role = role
-        return read_hf_deepspeed(by.get("training_args"), by.get("deepspeed"), opts.model,
-                                 opts.method, opts.seq_len)
-    src = sources[0]
-    if kinds[0] == "glm4":
-        return read_glm4(src, opts.model)
-    if kinds[0] == "llamafactory":
-        return read_llamafactory(src, opts.model)
-    return read_oomless(src)
+    reading = read_sources(sources, ReadOptions(opts.model, opts.method, opts.seq_len))
+    K.refuse_if_strict(reading.warnings, opts.strict, ", ".join(opts.files))
+    return reading
+
+
+def _explicit_count(text: str) -> bool:
+    try:
+        get_gpu(text.strip())
+    except UnknownGPUError:
+        return True  # "4090x8" is not a GPU name: it carries a count
+    return False
 
 
 def _cluster(opts: CheckOptions, run: dict[str, Any]) -> Cluster:
     hw = run.get("hardware") or {}
     host = round(opts.host_ram_gb * 1e9) if opts.host_ram_gb else None
+    nodes = opts.nodes or hw.get("nodes", 1)
     if opts.gpu:
-        return parse_gpu_arg(opts.gpu, nodes=opts.nodes or hw.get("nodes", 1), host_ram_bytes=host)
+        cluster = parse_gpu_arg(opts.gpu, nodes=nodes, host_ram_bytes=host)
+        if not _explicit_count(opts.gpu) and hw.get("gpus_per_node"):
+            cluster = Cluster(cluster.gpu, hw["gpus_per_node"], nodes, host)
+        return cluster
     if hw.get("gpu"):
-        return parse_gpu_arg(f"{hw['gpu']} x{hw.get('gpus_per_node', 1)}",
-                             nodes=opts.nodes or hw.get("nodes", 1), host_ram_bytes=host)
+        return parse_gpu_arg(f"{hw['gpu']} x{hw.get('gpus_per_node', 1)}", nodes=nodes,
+                             host_ram_bytes=host)
     raise ConfigError("oomless check needs the GPUs: --gpu NAME[xN] (e.g. --gpu 'a100-80gb x8')")
 
 
-def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster,
-               spec_vision: bool) -> RunConfig:
+def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: ModelSpec) -> RunConfig:
     run = dict(reading.run)
     if opts.model:
         run["model"] = opts.model
+    if run.get("precision") == "bf16" and not cluster.gpu.bf16:
+        run["precision"] = "fp16"  # bf16: auto / a card without bf16: the tools fall back
+    if run.get("method") == "qlora" and run.get("zero") == 3:
+        run.update(zero=0, offload="none")
+        note = ("FSDP / ZeRO-3 shards QLoRA's 4-bit base over the GPUs; oomless does not model "
+                "sharded 4-bit weights: estimated unsharded, without offload (an upper bound)")
+        if note not in reading.assumptions:
+            reading.assumptions.append(note)
+    _lora_targets(run, spec, reading)
     run["hardware"] = {**(run.get("hardware") or {}), "gpu": cluster.gpu.name,
                        "gpus_per_node": cluster.gpus_per_node, "nodes": cluster.nodes}
-    if spec_vision:
+    if spec.vision is not None:
         data = dict(run.get("data") or {})
         if opts.images is not None or not data.get("images_per_sample"):
             data["images_per_sample"] = 1 if opts.images is None else opts.images
         run["data"] = data
     main = reading.sources.get("main") or next(iter(reading.sources.values()))
     return build_run_config(run, str(main.path), main.lines)
+
+
+def _lora_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> None:
+    """Keep the LoRA targets that are linears of the language model's layers (a target
+    in the vision tower or the projector is said, not counted)."""
+    from ..memory.states import lora_targets
+
+    targets = (run.get("lora") or {}).get("targets")
+    if not isinstance(targets, list):
+        return
+    kept = []
+    for raw in targets:
+        try:
+            lora_targets(spec, [str(raw).rsplit(".", 1)[-1]])
+            kept.append(str(raw).rsplit(".", 1)[-1])
+        except ConfigError:
+            note = f"LoRA target '{raw}' is not a linear of {spec.name}'s decoder layers: not counted"
+            if note not in reading.assumptions:
+                reading.assumptions.append(note)
+    if kept:
+        run["lora"] = {**run["lora"], "targets": kept}
 
 
 def phase_device_bytes(spec: ModelSpec, cfg: RunConfig, cluster: Cluster) -> dict[str, int]:
@@ -149,83 +193,141 @@ def phase_device_bytes(spec: ModelSpec, cfg: RunConfig, cluster: Cluster) -> dic
     return out
 
 
-def edits_for(reading: Reading, new: RunConfig, old: RunConfig, model_type: str) -> list:
-    if reading.kind == "llamafactory":
-        return lf_edits(new, old, model_type)
-    if reading.kind == "glm4":
-        return glm_edits(new, old, model_type)
-    if reading.kind == "hf-deepspeed":
-        return hf_edits(new, old, reading)
-    return oomless_edits(new, old)
-
-
 def apply_edits(reading: Reading, edits: list) -> dict[str, str]:
     """New text per role."""
     texts = {role: src.text for role, src in reading.sources.items()}
     for role, path, value in edits:
         src = reading.sources[role]
-        setter = set_json if src.fmt == "json" else set_yaml
-        texts[role] = setter(texts[role], path, value)
+        texts[role] = set_value(src, texts[role], path, value)
     return texts
 
 
 def _reread(reading: Reading, texts: dict[str, str], opts: CheckOptions) -> Reading:
-    edited = {role: source_from_text(src.path, role, texts[role])
-              for role, src in reading.sources.items()}
-    if reading.kind == "llamafactory":
-        return read_llamafactory(edited["main"], opts.model)
-    if reading.kind == "glm4":
-        return read_glm4(edited["main"], opts.model)
-    if reading.kind == "hf-deepspeed":
-        return read_hf_deepspeed(edited.get("training_args"), edited.get("deepspeed"),
-                                 opts.model, opts.method, opts.seq_len)
-    return read_oomless(edited["main"])
+    edited = [source_from_text(src.path, src.role, texts[role])
+              for role, src in reading.sources.items()]
+    return read_sources(edited, ReadOptions(opts.model, opts.method, opts.seq_len))
 
 
-def _fix(spec: ModelSpec, reading: Reading, cfg: RunConfig, cluster: Cluster,
-         opts: CheckOptions) -> tuple[Any, dict[str, str]]:
-    req = build_request(spec, cfg, cluster, headroom=opts.headroom, objective="change", top=1,
-                        fixed=frozenset(reading.fixed), shardings=reading.shardings)
-    result = search(spec, req)
-    if not result.plans:
-        return None, {}
-    best = result.best
-    new = best.run_config()
-    texts = apply_edits(reading, edits_for(reading, new, cfg, spec.model_type))
-    back = run_config(_reread(reading, texts, opts), opts, cluster, spec.vision is not None)
-    wrong = [k for k, _l, _w in PLAN_KNOBS if _get(back, k) != _get(new, k)]
+def diff_name(path: Path) -> str:
+    """The file's name in the diff: relative to the working directory when it is below
+    it (``patch -p1`` run there finds it), else its base name."""
+    try:
+        return Path(os.path.relpath(path)).as_posix() if not os.path.relpath(path).startswith(
+            "..") else path.name
+    except ValueError:  # another drive
+        return path.name
+
+
+@dataclass
+class _Search:
+    spec: ModelSpec
+    reading: Reading
+    cfg: RunConfig
+    cluster: Cluster
+    opts: CheckOptions
+    ctx: RuleContext
+    refused: list[str] = field(default_factory=list)
+
+
+def _request(s: _Search):
+    shardings = allowed_shardings(s.cfg, s.ctx, s.reading.shardings)
+    fixed = set(s.reading.fixed)
+    if s.cfg.precision == "fp16":  # the planner's 16-bit is bf16 where the GPU has it: the
+        fixed.add("precision")     # same bytes (rule no_saving_precision), so keep fp16
+    return build_request(s.spec, s.cfg, s.cluster, headroom=s.opts.headroom, objective="change",
+                         top=CANDIDATES, fixed=frozenset(fixed), shardings=shardings)
+
+
+_BATCH_KEYS = {"micro_batch_size", "grad_accum"}
+
+
+def _written(s: _Search, plan: Any) -> tuple[dict[str, str], dict[str, str]] | None:
+    """The plan as edits of the files (diffs, new texts), read back to make sure the
+    edited files say what the plan says; None when the format cannot write the batch."""
+    new = plan.run_config()
+    texts = apply_edits(s.reading, edits_for(s.reading, new, s.cfg, s.spec.model_type))
+    back_reading = _reread(s.reading, texts, s.opts)
+    back = run_config(apply_data(back_reading, s.opts, s.spec), s.opts, s.cluster, s.spec)
+    wrong = {k for k, _l, _w in PLAN_KNOBS if _get(back, k) != _get(new, k)}
+    if wrong and wrong <= _BATCH_KEYS and s.reading.facts.get("batch_not_in_file"):
+        return None
     if wrong:
         raise RuntimeError(f"internal error: the edited file reads back differently for "
-                           f"{wrong}; please report this configuration")
-    diffs = {str(src.path): unified_diff(src.text, texts[role], src.path.name)
-             for role, src in reading.sources.items() if texts[role] != src.text}
-    return best, diffs
+                           f"{sorted(wrong)}; please report this configuration")
+    diffs, new_texts = {}, {}
+    for role, src in s.reading.sources.items():
+        if texts[role] != src.text:
+            diffs[str(src.path)] = unified_diff(src.text, texts[role], diff_name(src.path))
+            new_texts[str(src.path)] = texts[role]
+    return diffs, new_texts
+
+
+def _fix(s: _Search) -> tuple[Any, dict[str, str], dict[str, str]]:
+    """The first planner candidate that no rule refuses and the files can express."""
+    for plan in search(s.spec, _request(s)).plans:
+        changes = ", ".join(f"{c['label']} → {c['to']}" for c in plan.changes)
+        broken = broken_rules(s.cfg, plan.run_config(), s.ctx)
+        if broken:
+            s.refused.append(f"{changes}: refused ({'; '.join(r.forbids for r in broken)})")
+            continue
+        written = _written(s, plan)
+        if written is None:
+            s.refused.append(f"{changes}: {s.reading.label} does not hold the batch size")
+            continue
+        return plan, *written
+    return None, {}, {}
+
+
+def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
+    """The model's spec. A local folder that is not on this machine ('./Qwen2.5-7B-Instruct')
+    is read as the catalog model of the same name, with a note."""
+    from ..errors import UnknownModelError
+    from ..models.catalog import find_entry, resolve_model
+
+    named = reading.run.get("model")
+    model = opts.model or named
+    if not model:
+        raise ConfigError("no model: pass --model")
+    if opts.model and named and named != opts.model:
+        reading.notes.append(f"the file names the model '{named}'; checked as '{opts.model}' "
+                             "(--model)")
+    try:
+        return resolve_model(str(model)).spec
+    except UnknownModelError:
+        entry = find_entry(Path(str(model)).name)
+        if entry is None or not str(model).startswith((".", "/", "~")):
+            raise
+    reading.notes.append(f"'{model}' is not on this machine: read as the catalog model "
+                         f"{entry.name} of the same name (--model to choose another)")
+    reading.run["model"] = entry.name
+    return entry.spec
 
 
 def check(opts: CheckOptions) -> CheckResult:
-    from ..models.catalog import resolve_model
+    from ..planner.speed import ASSUMPTIONS
 
     reading = read_files(opts)
-    model = opts.model or reading.run.get("model")
-    if not model:
-        raise ConfigError("no model: pass --model")
-    spec = resolve_model(str(model)).spec
+    spec = resolve(reading, opts)
     cluster = _cluster(opts, reading.run)
-    cfg = run_config(reading, opts, cluster, spec.vision is not None)
+    reading = apply_data(reading, opts, spec)
+    cfg = run_config(reading, opts, cluster, spec)
     per_phase = phase_device_bytes(spec, cfg, cluster)
     peak_phase = max(per_phase, key=per_phase.__getitem__)
     memory = cluster.gpu.memory_bytes
     budget = int((1 - opts.headroom) * memory)
     oom = next((p for p in TRAIN_PHASES if per_phase.get(p, 0) > memory), None)
-    fix, diffs = (None, {})
+    ctx = RuleContext(reading.facts, spec, cfg.world_size, fits_gpu=oom is None)
+    reading.warnings.extend(config_warnings(cfg, ctx))
+    search_state = _Search(spec, reading, cfg, cluster, opts, ctx)
+    fix, diffs, new_texts = (None, {}, {})
     if per_phase[peak_phase] > budget:
-        fix, diffs = _fix(spec, reading, cfg, cluster, opts)
-    from ..planner.speed import ASSUMPTIONS
-
+        fix, diffs, new_texts = _fix(search_state)
     return CheckResult(
         kind=reading.kind, label=reading.label, files=[str(s.path) for s in reading.sources.values()],
         model=spec.name, hardware=cluster.describe(), config=cfg.to_dict(),
         phase_device_bytes=per_phase, device_peak_bytes=per_phase[peak_phase],
         peak_phase=peak_phase, gpu_memory_bytes=memory, budget_bytes=budget, oom_phase=oom,
-        fix=fix.to_dict() if fix else None, diffs=diffs, notes=reading.notes,
-        assumptions=list(ASSUMPTIONS))
+        fix=fix.to_dict() if fix else None, diffs=diffs, new_texts=new_texts,
+        notes=reading.notes, warnings=reading.warnings, refused=search_state.refused,
+        assumptions=[*reading.assumptions, *unmodelled_settings(spec, cfg, cluster),
+                     *ASSUMPTIONS])

@@ -1,13 +1,15 @@
 """Reading configurations people already have, for ``oomless check``.
 
-Formats: LLaMA-Factory training YAML, GLM-4 finetune_demo YAML, a DeepSpeed
-JSON with a transformers TrainingArguments JSON, and oomless.yaml. Each reader
-turns the files into a RunConfig (stating every default it takes), says which
-planner knobs the format can express (the others stay fixed in the search for
-a fix), and maps a changed RunConfig back to edits of the same files.
-Unknown keys are errors that name the key and its line, as the tools
-themselves refuse them (HfArgumentParser, dataclass constructors, DeepSpeed's
-pydantic models).
+Formats: LLaMA-Factory training YAML (and WeClone's JSONC settings, which hold
+LLaMA-Factory arguments), GLM-4 finetune YAML (LoRA, P-tuning v2, full),
+TRL / alignment-handbook recipe YAML, axolotl YAML, a TrainingArguments JSON
+with a DeepSpeed JSON, a LLaVA / MoE-LLaVA launch script (``deepspeed
+train.py --key value ...``), an accelerate config, and oomless.yaml. Each
+reader turns the files into a RunConfig (stating every default it takes),
+says which planner knobs the format can express (the others stay fixed in
+the search for a fix), and maps a changed RunConfig back to edits of the
+same files. Keys no version of the tool knows are warnings that name them
+(``--strict``: errors), as a tool may accept keys from versions we did not read.
 """
 
 from __future__ import annotations
@@ -20,33 +22,21 @@ from typing import Any
 from ..errors import ConfigError
 from ..planner.candidates import KNOBS
 from . import foreign_keys as K
-
-# Keys older transformers accepted (renamed since); read with a note, not refused.
-LEGACY_TRAINING_KEYS = {"evaluation_strategy": "eval_strategy",
-                        "no_cuda": "use_cpu", "overwrite_output_dir": None,
-                        "logging_dir": None}
-GLM_TOP_KEYS = {"data_config", "max_input_length", "max_output_length", "combine", "freezeV",
-                "logprob_mode", "training_args", "peft_config", "swanlab"}
-GLM_DATA_KEYS = {"train_file", "val_file", "test_file", "num_proc"}
-# DeepSpeed configs shipped with the tools, by (ZeRO stage, offload)
-LF_DEEPSPEED = {(0, "none"): "examples/deepspeed/ds_z0_config.json",
-                (2, "none"): "examples/deepspeed/ds_z2_config.json",
-                (2, "optimizer"): "examples/deepspeed/ds_z2_offload_config.json",
-                (3, "none"): "examples/deepspeed/ds_z3_config.json",
-                (3, "all"): "examples/deepspeed/ds_z3_offload_config.json"}
-GLM_DEEPSPEED = {(2, "none"): "configs/ds_zero_2.json", (3, "none"): "configs/ds_zero_3.json"}
+from .jsonc import blank
+from .shellargs import LaunchCommand, parse_launch, typed
 
 
 @dataclass
 class Source:
     """One file: its text, parsed content and key lines."""
 
-    role: str  # main | deepspeed | training_args
+    role: str  # main | deepspeed | training_args | accelerate
     path: Path
     text: str
-    fmt: str  # yaml | json
+    fmt: str  # yaml | json | sh
     data: dict[str, Any]
     lines: dict[str, int]
+    command: LaunchCommand | None = None  # launch scripts: the parsed command
 
     def where(self, key: str) -> str:
         line = self.lines.get(key)
@@ -57,35 +47,53 @@ class Source:
 class Reading:
     """A foreign configuration read as a RunConfig, and how to write changes back."""
 
-    kind: str  # oomless | llamafactory | glm4 | hf-deepspeed
+    kind: str  # oomless | llamafactory | weclone | glm4 | hf-deepspeed | launch | trl | axolotl | accelerate
     label: str
     sources: dict[str, Source]
     run: dict[str, Any]  # RunConfig input
     fixed: set[str] = field(default_factory=set)
     shardings: tuple[tuple[int, str], ...] | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # defaults taken, how a setting was read
+    warnings: list[str] = field(default_factory=list)  # keys no version of the tool knows
+    assumptions: list[str] = field(default_factory=list)  # read, but not (fully) modelled
+    facts: dict[str, Any] = field(default_factory=dict)  # for the fix rules (check/rules.py)
 
 
 def _json_lines(text: str) -> dict[str, int]:
-    from .textedit import _JsonSpans
+    from .textedit import JsonSpans
 
-    spans = _JsonSpans(text)
+    spans = JsonSpans(text)
     return {".".join(p): text.count("\n", 0, start) + 1
             for p, (start, _end) in spans.values.items() if p}
 
 
-def source_from_text(path: Path, role: str, text: str) -> Source:
-    """Parse a file's text (JSON by its .json suffix, else YAML) with key lines."""
-    if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-            lines = _json_lines(text)
-        except (json.JSONDecodeError, ConfigError) as err:
-            raise ConfigError(f"'{path}' is not valid JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"'{path}': expected a JSON object at the top level")
-        return Source(role, path, text, "json", data, lines)
+def _json_source(path: Path, role: str, text: str) -> Source:
+    plain = blank(text)
+    try:
+        data = json.loads(plain)
+        lines = _json_lines(plain)
+    except (json.JSONDecodeError, ConfigError) as err:
+        raise ConfigError(f"'{path}' is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{path}': expected a JSON object at the top level")
+    return Source(role, path, text, "json", data, lines)
 
+
+def _shell_source(path: Path, role: str, text: str) -> Source:
+    cmd = parse_launch(text, str(path))
+    data = {key: typed(arg.values) for key, arg in cmd.args.items()}
+    lines = {key: arg.line for key, arg in cmd.args.items()}
+    return Source(role, path, text, "sh", data, lines, cmd)
+
+
+def source_from_text(path: Path, role: str, text: str) -> Source:
+    """Parse a file's text: JSON (.json/.jsonc, comments allowed), a launch script
+    (.sh or a text starting with #!), else YAML."""
+    suffix = path.suffix.lower()
+    if suffix in (".json", ".jsonc", ".json5"):
+        return _json_source(path, role, text)
+    if suffix in (".sh", ".bash") or text.startswith("#!"):
+        return _shell_source(path, role, text)
     from ..config import parse_yaml_with_lines
 
     data, lines = parse_yaml_with_lines(text, path)
@@ -96,93 +104,95 @@ def load_source(path: str | Path, role: str) -> Source:
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"'{p}' is not UTF-8 text; save it as UTF-8") from None
     except OSError as err:
         raise ConfigError(f"cannot read '{p}': {err.strerror or err}") from None
     return source_from_text(p, role, text)
 
 
-def unknown_keys(src: Source, known: set[str] | frozenset[str], prefix: str = "",
-                 notes: list[str] | None = None) -> list[str]:
-    """Problems 'FILE:LINE: unknown key K' for keys of src (under prefix) not in known."""
-    node = src.data
+def subtree(src: Source, prefix: str) -> dict[str, Any]:
+    node: Any = src.data
     for part in filter(None, prefix.split(".")):
-        node = node.get(part) or {}
-    out = []
-    for key in node:
-        if key in known:
-            continue
-        dotted = f"{prefix}{key}" if not prefix else f"{prefix}.{key}"
-        dotted = dotted.lstrip(".")
-        if key in LEGACY_TRAINING_KEYS and notes is not None:
-            new = LEGACY_TRAINING_KEYS[key]
-            notes.append(f"{src.where(dotted)}: '{key}' is a key of older transformers"
-                         + (f" (now '{new}')" if new else "") + "; read as such")
-            continue
-        out.append(f"{src.where(dotted)}: unknown key '{dotted}'")
-    return out
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else {}
 
 
-def raise_unknown(problems: list[str], label: str) -> None:
-    if problems:
-        raise ConfigError(f"{label}: keys the tool does not accept (it would refuse them "
-                          "too):\n  " + "\n  ".join(problems))
+def check_keys(src: Source, file_kind: str, prefix: str = "", skip: frozenset[str] = frozenset(),
+               reading: Reading | None = None) -> list[str]:
+    """Warnings for keys (under ``prefix``) that no version of the file's tools knows;
+    notes for keys only older versions accept go to ``reading.notes``."""
+    keys = {}
+    for key in subtree(src, prefix):
+        if key in skip:
+            continue
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        keys[dotted] = src.where(dotted)
+    report = K.judge_keys(keys, file_kind)
+    if reading is not None:
+        reading.warnings.extend(report.warnings)
+        reading.notes.extend(report.notes)
+    return report.warnings
+
+
+_LF_KEYS = {"finetuning_type", "cutoff_len", "stage", "template", "lora_target", "dataset_dir",
+            "quantization_bit", "flash_attn", "pure_bf16", "freeze_vision_tower"}
+_TRL_KEYS = {"dataset_mixer", "dataset_name", "dataset_splits", "max_seq_length", "use_peft",
+             "max_prompt_length", "beta", "lora_target_modules", "attn_implementation",
+             "use_flash_attention_2", "torch_dtype", "load_in_4bit"}
+_AXOLOTL_KEYS = {"base_model", "sequence_len", "micro_batch_size", "adapter", "datasets",
+                 "sample_packing", "lora_target_linear", "val_set_size"}
+_ACCELERATE_KEYS = {"distributed_type", "compute_environment", "num_processes", "mixed_precision"}
+_WECLONE_SECTIONS = {"train_sft_args", "train_pt_args", "common_args"}
+
+
+def _yaml_kind(d: dict[str, Any]) -> str | None:
+    keys = set(d)
+    if {"training_args", "data_config", "peft_config", "max_input_length"} & keys:
+        return "glm4"
+    if len(_AXOLOTL_KEYS & keys) >= 2:
+        return "axolotl"
+    if len(_ACCELERATE_KEYS & keys) >= 2:
+        return "accelerate"
+    if _LF_KEYS & keys:
+        return "llamafactory"
+    if "model_name_or_path" in keys:
+        lf_only = K.keys_of("llamafactory") - keys_of_ta() - K.keys_of(*K.TRL, "alignment-handbook")
+        return "llamafactory" if keys & lf_only else "trl"
+    if "model" in keys:
+        return "oomless"
+    return None
+
+
+def keys_of_ta() -> frozenset[str]:
+    return K.keys_of(*K.TRAINING_ARGUMENTS)
 
 
 def detect_kind(src: Source) -> str:
     d = src.data
-    if src.fmt == "json":
-        if {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size"} & set(d):
-            return "deepspeed"
-        if {"per_device_train_batch_size", "output_dir", "gradient_accumulation_steps"} & set(d):
-            return "training_args"
+    kind: str | None = None
+    if src.fmt == "sh":
+        kind = "launch"
+    elif src.fmt == "json":
+        if _WECLONE_SECTIONS & set(d):
+            kind = "weclone"
+        elif {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size"} & set(d):
+            kind = "deepspeed"
+        elif {"per_device_train_batch_size", "output_dir", "gradient_accumulation_steps"} & set(d):
+            kind = "training_args"
     else:
-        if {"training_args", "data_config", "peft_config", "max_input_length"} & set(d):
-            return "glm4"
-        if {"model_name_or_path", "finetuning_type", "cutoff_len", "stage"} & set(d):
-            return "llamafactory"
-        if "model" in d:
-            return "oomless"
-    raise ConfigError(
-        f"'{src.path}': cannot tell which tool this configuration is for; oomless check "
-        "reads LLaMA-Factory YAML (model_name_or_path, finetuning_type, ...), GLM-4 "
-        "finetune YAML (data_config, training_args, peft_config), a DeepSpeed JSON "
-        "(zero_optimization) with a TrainingArguments JSON, or oomless.yaml (model: ...)")
-
-
-def zero_from_deepspeed(ds: dict[str, Any], where: str) -> tuple[int, str]:
-    zero = ds.get("zero_optimization") or {}
-    stage = zero.get("stage", 0)
-    if stage == "auto" or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
-        raise ConfigError(f"{where}: zero_optimization.stage {stage!r}: expected 0, 1, 2 or 3")
-    dev = lambda k: ((zero.get(k) or {}).get("device") or "none")  # noqa: E731
-    offload = "none"
-    if dev("offload_optimizer") in ("cpu", "nvme"):
-        offload = "optimizer"
-    if dev("offload_param") in ("cpu", "nvme"):
-        offload = "all"
-    if offload == "all" and stage != 3:
-        offload = "optimizer"  # DeepSpeed offloads parameters only under ZeRO-3
-    return stage, offload
-
-
-def deepspeed_source(ref: str, base: Path, known: dict[tuple[int, str], str],
-                     notes: list[str]) -> tuple[Source | None, tuple[int, str]]:
-    """The DeepSpeed file a YAML points to (relative to the working directory or the
-    YAML), or, when it is not here, its stage and offload from a shipped file name."""
-    for cand in (Path(ref), base.parent / ref):
-        if cand.is_file():
-            src = load_source(cand, "deepspeed")
-            raise_unknown(unknown_keys(src, K.DEEPSPEED_ZERO_KEYS, "zero_optimization"),
-                          "DeepSpeed JSON")
-            return src, zero_from_deepspeed(src.data, str(cand))
-    for (stage, offload), name in known.items():
-        if Path(ref).name == Path(name).name:
-            notes.append(f"deepspeed file '{ref}' is not on this machine: read as the shipped "
-                         f"{name} (ZeRO-{stage}, offload {offload})")
-            return None, (stage, offload)
-    raise ConfigError(f"deepspeed: '{ref}' not found (looked in the working directory and "
-                      f"next to {base}); give the path to the DeepSpeed JSON")
+        kind = _yaml_kind(d)
+    if kind is None:
+        raise ConfigError(
+            f"'{src.path}': cannot tell which tool this configuration is for; oomless check "
+            "reads LLaMA-Factory YAML (model_name_or_path, finetuning_type, ...), WeClone "
+            "settings, GLM-4 finetune YAML (data_config, training_args, peft_config), TRL / "
+            "alignment-handbook recipes, axolotl YAML (base_model, sequence_len), an accelerate "
+            "config, a DeepSpeed JSON (zero_optimization) with a TrainingArguments JSON, a "
+            "LLaVA-style launch script (deepspeed train.py --key value), or oomless.yaml")
+    return kind
 
 
 def knob_set(*names: str) -> set[str]:
+    """Every planner knob except ``names``: the knobs a format cannot change."""
     return set(KNOBS) - set(names)

@@ -1,5 +1,5 @@
-"""Minimal edits of YAML and JSON files, keeping every other byte (comments,
-order, formatting), and the unified diff of an edit.
+"""Minimal edits of YAML, JSON and launch-script files, keeping every other byte
+(comments, order, formatting), and the unified diff of an edit.
 
 A value is replaced in place (the text span of its node); a missing key is
 inserted after the last entry of its mapping, with that mapping's indentation,
@@ -104,7 +104,7 @@ def set_yaml(text: str, path: tuple[str, ...], value: Any) -> str:
 
 
 # ---- JSON -----------------------------------------------------------------------
-class _JsonSpans:
+class JsonSpans:
     """Positions of every value in a JSON text: path -> (start, end); objects
     also record where their closing brace is and their members' indentation."""
 
@@ -166,8 +166,11 @@ def _json_member(key: str, value: Any) -> str:
 
 
 def set_json(text: str, path: tuple[str, ...], value: Any) -> str:
-    """The JSON text with the value at ``path`` set (replaced or inserted)."""
-    spans = _JsonSpans(text)
+    """The JSON text with the value at ``path`` set (replaced or inserted). Comments and
+    trailing commas (JSONC) stay: positions come from the blanked text (check/jsonc.py)."""
+    from .jsonc import blank
+
+    spans = JsonSpans(blank(text))
     if path in spans.values:
         start, end = spans.values[path]
         return text[:start] + json.dumps(value) + text[end:]
@@ -185,3 +188,14 @@ def set_json(text: str, path: tuple[str, ...], value: Any) -> str:
         return text[:parent["open"] + 1] + f"\n{pad}{member}\n" + " " * (2 * depth) + text[at:]
     at = parent["last_end"]
     return text[:at] + ",\n" + " " * (parent["indent"] or 0) + member + text[at:]
+
+
+def set_value(src: Any, text: str, path: tuple[str, ...], value: Any) -> str:
+    """``text`` (the current text of ``src``'s file) with ``path`` set to ``value``."""
+    if src.fmt == "json":
+        return set_json(text, path, value)
+    if src.fmt == "sh":
+        from .shellargs import parse_launch, set_shell_arg
+
+        return set_shell_arg(text, parse_launch(text, str(src.path)), path[-1], value)
+    return set_yaml(text, path, value)

@@ -1,4 +1,4 @@
-"""Rich rendering of plans (`oomless plan`) and checks (`oomless check`)."""
+"""Rich rendering of plans (`oomless plan`)."""
 
 from __future__ import annotations
 
@@ -111,59 +111,3 @@ def render_misses(misses: list[Any], out: Any) -> None:
         out.print(f"  {miss_text(m)}")
     if len(misses) > MISSES_SHOWN:
         out.print(f"  [dim]... and {len(misses) - MISSES_SHOWN} more (--json)[/]")
-
-
-def _read_as(c: dict[str, Any]) -> str:
-    parts = [c["method"] + (f"-{c['quantization']['bits']}bit" if c["method"] == "qlora" else "")]
-    if c["method"] != "full":
-        targets = c["lora"]["targets"]
-        parts.append(f"r{c['lora']['r']} {_value(targets)}")
-    parts += [c["precision"], c["optimizer"],
-              f"micro batch {c['micro_batch_size']} × accumulation {c['grad_accum']} × "
-              f"{c['hardware']['gpus_per_node'] * c['hardware']['nodes']} GPU(s)",
-              f"{c['seq_len']} tokens", f"attn {c['attn']}"]
-    if c["grad_ckpt"]:
-        parts.append("checkpointing")
-    if c["zero"]:
-        parts.append(f"ZeRO-{c['zero']}" + (f" offload {c['offload']}" if c["offload"] != "none" else ""))
-    if c["eval"]["batch_size"]:
-        parts.append(f"eval batch {c['eval']['batch_size']}")
-    if c["eval"]["predict_with_generate"]:
-        parts.append(f"generation {c['eval']['max_new_tokens']} new tokens")
-    return " · ".join(parts)
-
-
-def render_check(r: Any) -> None:
-    from ._render import console
-
-    out = console()
-    out.print(f"[bold]{r.label}[/] {', '.join(r.files)} · {r.model} on {r.hardware}")
-    out.print(f"read as: {_read_as(r.config)}")
-    phases = ", ".join(
-        f"{p} {fmt_bytes(v)}" + (" [red]✗[/]" if v > r.gpu_memory_bytes else "")
-        for p, v in r.phase_device_bytes.items())
-    out.print(f"predicted per GPU (nvidia-smi): {phases}; GPU {fmt_bytes(r.gpu_memory_bytes)}, "
-              f"budget {fmt_bytes(r.budget_bytes)}")
-    if r.oom_phase:
-        out.print(f"[red]OUT OF MEMORY[/] in the {r.oom_phase} phase (the first above "
-                  f"{fmt_bytes(r.gpu_memory_bytes)}); peak {fmt_bytes(r.device_peak_bytes)} in "
-                  f"{r.peak_phase}.")
-    elif not r.within_budget:
-        out.print(f"[yellow]FITS, but with less than the headroom[/]: "
-                  f"{fmt_bytes(r.device_peak_bytes)} in {r.peak_phase}.")
-    else:
-        out.print(f"[green]FITS[/]: {fmt_bytes(r.device_peak_bytes)} in {r.peak_phase}, "
-                  f"{fmt_bytes(r.gpu_memory_bytes - r.device_peak_bytes)} free.")
-    if r.fix:
-        f = r.fix
-        changes = "; ".join(change_text(ch) for ch in f["changes"])
-        out.print(f"smallest change that fits (same effective batch): {changes} — predicted "
-                  f"{fmt_bytes(f['device_peak_bytes'])} ({f['peak_phase']}) of "
-                  f"{fmt_bytes(f['budget_bytes'])}, {f['speed']['tokens_per_s']:,.0f} tokens/s")
-        for diff in r.diffs.values():
-            out.print(diff, markup=False, highlight=False, end="")
-    elif not r.within_budget:
-        out.print("no change this file can express fits; run `oomless plan` for other "
-                  "methods, GPUs or sharding")
-    for note in r.notes:
-        out.print(f"[dim]note: {note}[/]")

@@ -1,5 +1,5 @@
-"""`oomless check`: will this LLaMA-Factory / GLM-4 / DeepSpeed+TrainingArguments /
-oomless configuration run out of memory, where, and the smallest fix as a diff."""
+"""`oomless check`: will this training configuration run out of memory, where, and the
+smallest fix as a diff of the same file (printed raw: it applies with patch -p1)."""
 
 from __future__ import annotations
 
@@ -11,26 +11,71 @@ ORDER = 31
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "check", help="check an existing training config for OOM; print the smallest fix as a diff",
-        description="Read a LLaMA-Factory YAML, a GLM-4 finetune YAML, a DeepSpeed JSON plus "
-        "a TrainingArguments JSON, or an oomless.yaml; predict each phase's memory; when it "
-        "does not fit within the headroom, print the smallest change (same effective batch) "
-        "as a unified diff of the same file. Exit code 0: fits the GPU; 1: predicted out of "
-        "memory; 2: bad input.")
+        description="Read a LLaMA-Factory YAML, WeClone settings, a GLM-4 finetune YAML, a TRL "
+        "/ alignment-handbook recipe, an axolotl YAML, a LLaVA / MoE-LLaVA launch script, a "
+        "TrainingArguments JSON with a DeepSpeed JSON, a configuration with its accelerate "
+        "config, or an oomless.yaml; predict each phase's memory; when it does not fit within "
+        "the headroom, print the smallest change (same effective batch) as a unified diff of "
+        "the same file(s). The diff is printed unwrapped: `oomless check X > fix.patch; "
+        "patch -p1 < fix.patch` applies it. Exit code 0: fits within the headroom; 1: out of "
+        "memory, or fits but inside the headroom (the fix is printed); 2: bad input.")
     p.add_argument("files", nargs="+", metavar="FILE",
-                   help="the configuration (two files: DeepSpeed JSON and TrainingArguments JSON)")
-    p.add_argument("--gpu", help="GPU and count: 4090x8, 'a100-40gb x8' (see `oomless gpus`)")
+                   help="the configuration (two files: TrainingArguments JSON and DeepSpeed "
+                   "JSON, or a configuration and its accelerate config)")
+    p.add_argument("--gpu", help="GPU and count: 4090x8, 'a100-40gb x8' (see `oomless gpus`); "
+                   "a bare name takes the count from the file (accelerate, launcher)")
     p.add_argument("--nodes", type=int)
     p.add_argument("--model", help="the model, where the file does not name it (GLM-4, "
                    "DeepSpeed/TrainingArguments) or to override it")
     p.add_argument("--seq-len", type=int, help="tokens per sample (DeepSpeed/TrainingArguments)")
     p.add_argument("--method", choices=["full", "lora", "qlora"],
-                   help="DeepSpeed/TrainingArguments only (default full)")
+                   help="DeepSpeed/TrainingArguments/accelerate only (default full)")
     p.add_argument("--images", type=int, help="images per sample (vision-language)")
+    p.add_argument("--data", metavar="FILE", help="the training data (.json/.jsonl/.parquet): "
+                   "estimate at its longest sample instead of the cutoff")
     p.add_argument("--headroom", type=float, default=0.10,
                    help="fraction of GPU memory the fix keeps free (default 0.10)")
     p.add_argument("--host-ram-gb", type=float, help="host RAM per node (offload)")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse keys that no version of the file's tool knows (default: warn)")
+    p.add_argument("--write", action="store_true",
+                   help="apply the fix to the file(s), keeping the original as FILE.orig")
+    p.add_argument("--diff-out", metavar="PATH", help="also write the diff to PATH")
+    p.add_argument("--force", action="store_true",
+                   help="with --write / --diff-out: replace an existing FILE.orig / PATH")
     p.add_argument("--json", action="store_true", help="print the CheckResult as JSON")
     p.set_defaults(func=run)
+
+
+def _refuse_existing(path, force: bool, what: str) -> None:
+    from pathlib import Path
+
+    from ..errors import ConfigError
+
+    if Path(path).exists() and not force:
+        raise ConfigError(f"{what} '{path}' exists; pass --force to replace it")
+
+
+def write_outputs(result, args: argparse.Namespace) -> list[str]:
+    """--diff-out and --write; returns what was written, for the report."""
+    from pathlib import Path
+
+    from ..fileio import write_atomic
+
+    done: list[str] = []
+    if args.diff_out and result.diffs:
+        _refuse_existing(args.diff_out, args.force, "--diff-out")
+        write_atomic(args.diff_out, "".join(result.diffs.values()))
+        done.append(f"wrote the diff to {args.diff_out}")
+    if args.write and result.new_texts:
+        for path in result.new_texts:
+            _refuse_existing(f"{path}.orig", args.force, "backup")
+        for path, text in result.new_texts.items():
+            original = Path(path).read_bytes()
+            write_atomic(f"{path}.orig", original)
+            write_atomic(path, text)
+            done.append(f"applied the fix to {path} (the original is {path}.orig)")
+    return done
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,13 +84,14 @@ def run(args: argparse.Namespace) -> int:
     result = check(CheckOptions(
         files=tuple(args.files), gpu=args.gpu, nodes=args.nodes, model=args.model,
         seq_len=args.seq_len, method=args.method, images=args.images, headroom=args.headroom,
-        host_ram_gb=args.host_ram_gb))
+        host_ram_gb=args.host_ram_gb, strict=args.strict, data=args.data))
+    done = write_outputs(result, args)
     if args.json:
         import json
 
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps({**result.to_dict(), "written": done}, indent=2))
     else:
-        from ._render_plan import render_check
+        from ._render_check import render_check
 
-        render_check(result)
-    return 0 if result.fits else 1
+        render_check(result, done)
+    return result.exit_code

@@ -13,7 +13,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="explain out-of-memory errors in a log or traceback, with quantified fixes",
         description="Find every out-of-memory event in a training or serving log (PyTorch, "
         "bitsandbytes, DeepSpeed, vLLM, NCCL, the host OOM killer, multi-rank logs), its phase "
-        "and cause, and fixes with the predicted peak after each one.",
+        "and cause, and fixes with the predicted peak after each one. Exit code 0: the log was "
+        "read (with or without events: see the output, or `found` in --json); 2: the log or "
+        "the configuration cannot be read.",
     )
     p.add_argument("file", metavar="FILE|-", help="log or traceback file; '-' reads standard input")
     p.add_argument("--config", metavar="oomless.yaml",

@@ -14,7 +14,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "estimate",
         help="predict per-GPU memory of a fine-tune, instantly from formulas",
         description="Predict per-GPU memory of a fine-tuning run (or, with --inference, "
-        "of generation / a vLLM engine) at its peak, by component and phase.",
+        "of generation / a vLLM engine) at its peak, by component and phase. Exit code 0: "
+        "estimated (the verdict against --gpu is printed, FITS or OUT OF MEMORY); 2: bad "
+        "input. `oomless check` exits 1 when a configuration does not fit.",
     )
     add_run_options(p)
     p.add_argument("--json", action="store_true", help="print the MemoryEstimate as JSON")
@@ -52,35 +54,37 @@ def _inference(args: argparse.Namespace, cfg) -> int:
 
     from ..api import cluster_for
     from ..errors import ConfigError
-    from ..memory import estimate_generate, vllm_budget
+    from ..memory import estimate_generate
+    from ..memory.inference import EngineRequest, vllm_engine_args
     from ..models.catalog import resolve_model
-    from ..units import fmt_bytes
 
     spec = resolve_model(cfg.model).spec
     new_tokens = cfg.eval.max_new_tokens or 512
+    cluster = cluster_for(cfg)
     if args.engine == "hf":
         est = estimate_generate(spec, cfg.micro_batch_size, cfg.seq_len, new_tokens)
-        data = {"engine": "hf", **est.to_dict()}
-    else:
-        cluster = cluster_for(cfg)
-        if cluster is None:
-            raise ConfigError("--inference --engine vllm needs --gpu (vLLM's budget is a "
-                              "fraction of the card's memory); e.g. --gpu a100-80gb")
-        max_len = args.max_model_len or cfg.seq_len + new_tokens
-        est = vllm_budget(spec, cluster.gpu, max_len, args.max_num_seqs,
-                          args.gpu_memory_utilization, args.kv_cache_dtype,
-                          lora_rank=cfg.lora.r if cfg.method != "full" else 0)
-        data = {"engine": "vllm", **est.to_dict()}
-    if args.json:
-        print(json.dumps(data, indent=2))
-        return 0
-    from ._render import console
+        if args.json:
+            print(json.dumps({"engine": "hf", **est.to_dict()}, indent=2))
+            return 0
+        from ._render_infer import render_generate
 
-    out = console()
-    out.print(f"[bold]{spec.name}[/] inference ({data['engine']})")
-    for key, value in data.items():
-        if key == "engine":
-            continue
-        shown = fmt_bytes(value) if key.endswith("_bytes") else value
-        out.print(f"  {key.replace('_', ' ')}: {shown}")
+        render_generate(spec.name, est, cluster.gpu if cluster else None)
+        return 0
+    if cluster is None:
+        raise ConfigError("--inference --engine vllm needs --gpu (vLLM's budget is a "
+                          "fraction of the card's memory); e.g. --gpu a100-80gb")
+    # LoRA slots only for an adapter the run says it trains (--method lora/qlora or the YAML)
+    adapter = cfg.method != "full" and "method" in cfg.model_fields_set
+    req = EngineRequest(model=cfg.model, max_model_len=args.max_model_len or cfg.seq_len + new_tokens,
+                        max_num_seqs=args.max_num_seqs,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        lora_rank=cfg.lora.r if adapter else 0, kv_cache_dtype=args.kv_cache_dtype,
+                        trust_remote_code=cfg.training.trust_remote_code)
+    engine, budget = vllm_engine_args(spec, cluster.gpu, req)
+    if args.json:
+        print(json.dumps({"engine": "vllm", **budget.to_dict(), "engine_args": engine}, indent=2))
+        return 0
+    from ._render_infer import render_vllm
+
+    render_vllm(spec.name, cluster.gpu.display_name, budget, engine)
     return 0

@@ -94,8 +94,6 @@ def _need_files(args: argparse.Namespace) -> None:
 
 
 def _print_engine_args(args: argparse.Namespace, opts) -> int:
-    import json
-
     from ..errors import GPUUnavailableError
     from ..models.catalog import resolve_model
     from ..models.hardware import get_gpu
@@ -112,13 +110,16 @@ def _print_engine_args(args: argparse.Namespace, opts) -> int:
                 from None
         gpu = gpu_spec_for(name, total)
     engine, budget = engine_args(opts, resolve_model(opts.model).spec, gpu, used)
-    print(json.dumps(engine, indent=2))
+    from ._render_infer import budget_verdict, engine_args_text
+
+    print(engine_args_text(engine))
     print(f"{gpu.display_name}: {fmt_bytes(gpu.memory_bytes)}, {fmt_bytes(used)} used by others; "
           f"budget {fmt_bytes(budget.budget_bytes)} = weights {fmt_bytes(budget.weights_bytes)} "
           f"+ profile peak {fmt_bytes(budget.profile_peak_bytes)} + non-torch "
-          f"{fmt_bytes(budget.non_torch_bytes)} + KV cache {fmt_bytes(budget.kv_cache_bytes)} "
-          f"({budget.num_blocks} blocks, {budget.max_concurrency} sequences of "
-          f"{budget.max_model_len} tokens at once)")
+          f"{fmt_bytes(budget.non_torch_bytes)} + KV cache {fmt_bytes(budget.kv_cache_bytes)}")
+    from rich.console import Console
+
+    Console(highlight=False, soft_wrap=True).print(budget_verdict(budget))
     return 0
 
 

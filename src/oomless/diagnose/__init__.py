@@ -35,10 +35,11 @@ from .host import find_host_events
 from .parse import find_gpu_events
 from .phase import phase_from_context, phase_of, traceback_before
 from .predict import Predictor, choose_cluster
+from .repair import repair
 from .serving import serving_fixes
 from .text import LogText
 from .view import gpu_view
-from .vllm import find_vllm_events, vllm_profile
+from .vllm import find_vllm_events, find_vllm_fragments, vllm_profile
 
 __all__ = ["NO_EVENT", "Diagnosis", "diagnose_text"]
 
@@ -56,7 +57,8 @@ def _with_traceback(log: LogText, event: OomEvent) -> OomEvent:
         phase = event.phase
     if phase == "unknown" and event.kind in HOST_KINDS:
         phase = phase_from_context(log, index)
-    library = next((lib for f in reversed(frames) for lib in _LIBRARIES if f"/{lib}/" in f.path), None)
+    library = next((lib for f in reversed(frames) for lib in _LIBRARIES if f"/{lib}/" in f.path),
+                   event.library)
     labels = tuple(f.label() for f in frames)
     return replace(event, phase=phase, frames=labels, library=library)
 
@@ -119,13 +121,15 @@ def _with_vllm_profile(log: LogText, event: OomEvent) -> OomEvent:
     """vLLM's start-up failures carry the memory profile it logged before them."""
     if event.kind not in VLLM_KINDS:
         return event
-    before = sum(len(line.text) + 1 for line in log.lines[: event.line - 1])
-    profile = {f"profile_{k}": v for k, v in vllm_profile(log.text, before).items()}
+    through = sum(len(line.text) + 1 for line in log.lines[: event.line])  # its line too
+    profile = {f"profile_{k}": v for k, v in vllm_profile(log.text, through).items()}
     return replace(event, numbers={**profile, **event.numbers})
 
 
 def find_events(log: LogText) -> tuple[list[OomEvent], list[str]]:
-    raw = [*find_gpu_events(log), *find_vllm_events(log), *find_host_events(log)]
+    vllm = list(find_vllm_events(log))
+    raw = [*repair(log, list(find_gpu_events(log))), *vllm, *find_vllm_fragments(log, vllm),
+           *find_host_events(log)]
     events = _merge([_with_vllm_profile(log, _with_traceback(log, e)) for e in raw])
     notes: list[str] = []
     gpu = [e for e in events if e.kind in GPU_KINDS]
@@ -182,6 +186,7 @@ def _situation(events: list[OomEvent], hints: RunHints, cfg: RunConfig | None, s
         logits_tokens=tokens, vocab_size=vocab,
         world_size=cfg.world_size if cfg else (hints.world_size or 1),
         replica_states=_replica_states(spec, cfg, cluster),
+        vision_heads=spec.vision.num_heads if spec is not None and spec.vision else None,
     )
 
 
@@ -192,8 +197,10 @@ def _fixes_for(event: OomEvent, causes, s: Situation, predictor: Predictor | Non
         needed = host_ram_needed(predictor)
         out += [needed] if needed else []
     seen: set[str] = set()
+    serving = event.library == "vllm" or event.kind in VLLM_KINDS
     for cause in causes:
-        for fix in [*serving_fixes(event, cause, s), *training_fixes(cause, ctx)]:
+        own = serving_fixes(event, cause, s)
+        for fix in [*own, *([] if serving else training_fixes(cause, ctx))]:
             if fix is not None and fix.code not in seen and fix.code not in {f.code for f in out}:
                 seen.add(fix.code)
                 out.append(fix)
@@ -247,7 +254,8 @@ def diagnose_text(text: str, cfg: RunConfig | None = None, cluster: Cluster | No
             if event.kind == CUDA_OOM and (note := _calibration_note(event, predictor)) and note not in notes:
                 notes.append(note)
         causes = classify(event, s)
-        findings.append(Finding(event, causes, _fixes_for(event, causes, s, predictor)))
+        shown = replace(event, line=log.raw_number(event.line))  # the log's own line number
+        findings.append(Finding(shown, causes, _fixes_for(event, causes, s, predictor)))
     return Diagnosis(
         findings=tuple(findings), hints=hints, notes=tuple(notes),
         gpu=cluster.gpu.display_name if cluster else None,

@@ -26,6 +26,7 @@ from .events import (
     RunHints,
 )
 from .view import GpuView, gpu_view
+from .vision import vision_attention
 
 # The caching allocator rounds requests up to 2 MiB and packs them into 2/20 MiB
 # segments (c10/cuda/CUDACachingAllocator.cpp), so a few hundred MiB of slack is
@@ -57,6 +58,7 @@ class Situation:
     # From the run config and the estimator: GPUs, and model states per GPU now / with ZeRO-3
     world_size: int = 1
     replica_states: tuple[int, int] | None = None
+    vision_heads: int | None = None  # attention heads of the model's vision tower, when known
 
 
 def _c(code: str, title: str, evidence: str, **numbers: int | float) -> Cause:
@@ -246,11 +248,38 @@ def _vllm_event(event: OomEvent, s: Situation) -> list[tuple[float, Cause]]:
     if event.kind == VLLM_MAX_LEN:
         need = n.get("kv_needed_bytes")
         have = n.get("kv_available_bytes")
-        detail = (f"one sequence of {n['max_model_len']} tokens needs {fmt_bytes(need)} of KV cache, "
+        length = n.get("max_model_len") or s.hints.max_model_len
+        wanted = f"max_model_len {length}" if length else "the model's max seq len"
+        detail = (f"one sequence of {length} tokens needs {fmt_bytes(need)} of KV cache, "
                   f"{fmt_bytes(have)} is available" if need and have else
-                  f"max_model_len {n['max_model_len']} > {n.get('kv_cache_tokens')} tokens the KV cache holds")
+                  f"{wanted} > {n.get('kv_cache_tokens')} tokens the KV cache holds")
         return [(5.0, _c("vllm_max_len", "max_model_len is longer than the KV cache holds", detail, **n))]
     return []
+
+
+def vllm_runtime(event: OomEvent, view: GpuView) -> tuple[float, Cause] | None:
+    """vLLM itself failed while serving (outside its start-up budget's profile)."""
+    if event.library != "vllm" or event.kind not in (CUDA_OOM, CUDA_ERROR_OOM):
+        return None
+    cumem = "cumem_allocator" in event.message
+    where = ("vLLM's CuMemAllocator (sleep mode, an engine beside a training job) could not map "
+             "its memory" if cumem else "the allocation failed inside vLLM's model runner or "
+             "sampler")
+    return 3.7, _c("vllm_runtime", "vLLM ran out of memory while serving",
+                   f"{where}: a batch of more tokens (or a larger sampler) than its start-up "
+                   "profile measured, or memory other work took since start-up",
+                   requested_bytes=view.requested_bytes, shortfall_bytes=view.shortfall_bytes)
+
+
+def free_but_failed(view: GpuView) -> tuple[float, Cause] | None:
+    """The GPU had far more free than was asked: not a capacity problem."""
+    free, req = view.free_bytes, view.requested_bytes
+    if free is None or req is None or free < max(GiB, 4 * req):
+        return None
+    return 4.2, _c("free_but_failed", "The GPU had room: this is not the model's size",
+                   f"{fmt_bytes(free)} was free and {fmt_bytes(req)} was asked for: the allocation "
+                   "failed for another reason (a limit outside PyTorch: WSL2's share of the GPU, a "
+                   "container or MIG slice, the driver)", free_bytes=free, requested_bytes=req)
 
 
 def _host_causes(event: OomEvent) -> list[tuple[float, Cause]]:
@@ -276,9 +305,16 @@ def classify(event: OomEvent, s: Situation) -> tuple[Cause, ...]:
         found += _vllm_event(event, s)
     else:
         view = gpu_view(event)
-        found += [vllm_in_charge(event, s), memory_fraction(view), other_process(view), fragmentation(view),
-                  logits(event, view, s), replicas(event, s), long_sample(event, s),
-                  _phase_cause(event, view, s)]
+        vllm = vllm_in_charge(event, s) or vllm_runtime(event, view)
+        other = [free_but_failed(view), vision_attention(event, view, s.vision_heads)]
+        found += [vllm, *other, memory_fraction(view), other_process(view), fragmentation(view)]
+        if not any(other):  # else the batch, logits and replicas are not what ran out here
+            phase = _phase_cause(event, view, s)
+            found += [logits(event, view, s)]
+            if vllm is None:  # a serving engine has no micro batch or replicas of training
+                found += [replicas(event, s), long_sample(event, s), phase]
+            elif phase is not None and phase[1].code != "activations":
+                found.append(phase)
         if event.kind == NCCL_OOM:
             stated = event.numbers.get("oom_stated", 1)
             found.append((3.0, _c("nccl_buffers", "NCCL could not allocate its buffers",

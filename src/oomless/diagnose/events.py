@@ -90,6 +90,7 @@ class Fix:
     gpu_memory_bytes: int | None = None
     prediction: str = "none"  # estimator | arithmetic | none
     fits: bool | None = None
+    domain: str = "training"  # what it changes: training | serving (an inference engine) | environment
 
     @property
     def summary(self) -> str:
@@ -124,6 +125,7 @@ class RunHints:
     world_size: int | None = None
     gpu_memory_utilization: float | None = None
     max_model_len: int | None = None
+    max_num_seqs: int | None = None
     steps_done: int | None = None  # training steps completed before the first event
     vllm_profile: dict[str, int | float] = field(default_factory=dict)
 

@@ -120,10 +120,11 @@ def free_gpu(ctx: FixContext) -> Fix:
     text = (f"stop {who} or run on a free GPU (CUDA_VISIBLE_DEVICES)" if who else
             "stop the other programs on this GPU (nvidia-smi lists them) or run on a free GPU")
     if v.used_bytes is None or v.requested_bytes is None or not v.total_bytes:
-        return Fix("free_gpu", text, {}, True)
+        return Fix("free_gpu", text, {}, True, domain="environment")
     held = v.others_bytes or (v.outside_pytorch_bytes or 0)
     mine = v.used_bytes - held + v.requested_bytes
-    return Fix("free_gpu", text, {}, True, mine, v.total_bytes, "arithmetic", mine <= v.total_bytes)
+    return Fix("free_gpu", text, {}, True, mine, v.total_bytes, "arithmetic", mine <= v.total_bytes,
+               domain="environment")
 
 
 def eval_batch(ctx: FixContext) -> Fix | None:
@@ -230,8 +231,20 @@ def host_ram_needed(predictor: Predictor) -> Fix | None:
                "estimator", None if have is None else est.host_ram_bytes <= have)
 
 
+def environment_fix() -> Fix:
+    return Fix("environment", "look outside PyTorch: WSL2's share of GPU memory, the container's "
+               "or MIG slice's limit, another CUDA context (nvidia-smi), the driver version; a "
+               "smaller batch will not help", {}, True, domain="environment")
+
+
 def training_fixes(cause: Cause, ctx: FixContext) -> list[Fix | None]:
     code = cause.code
+    if code == "vision_attention":
+        from .vision import image_size_fix
+
+        return [image_size_fix(cause, ctx.view)]
+    if code == "free_but_failed":
+        return [environment_fix()]
     if code == "fragmentation":
         return [expandable_segments(ctx)]
     if code == "other_process":

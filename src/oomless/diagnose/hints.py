@@ -60,6 +60,7 @@ _SEQ = _int_pattern("model_max_length", "max_seq_length", "cutoff_len", "max_len
                     "max_seq_len", "block_size")
 _NEW = _int_pattern("max_new_tokens")
 _MAX_MODEL_LEN = _int_pattern("max_model_len")
+_MAX_NUM_SEQS = _int_pattern("max_num_seqs")
 _WORLD = _int_pattern("nproc_per_node", "num_processes", "world_size", "num_gpus", "num_local_procs")
 # HF Trainer's banner: "***** Running Evaluation *****" then "  Batch size = 16"
 _EVAL_BANNER = re.compile(r"Running (?:Evaluation|Prediction) \*+(?:\n[^\n]*){0,4}?\n\s*Batch size = (\d+)")
@@ -127,6 +128,7 @@ def read_hints(text: str, first_event_pos: int | None) -> RunHints:
         world_size=_first_int(_WORLD, text),
         gpu_memory_utilization=float(utilization) if utilization is not None else None,
         max_model_len=_first_int(_MAX_MODEL_LEN, text),
+        max_num_seqs=_first_int(_MAX_NUM_SEQS, text),
         steps_done=steps_done(text, first_event_pos) if first_event_pos is not None else None,
         vllm_profile=profile,
     )

@@ -30,48 +30,85 @@ import re
 from collections.abc import Iterator
 
 from .events import BNB_OOM, CUDA_ERROR_OOM, CUDA_OOM, NCCL_OOM, OomEvent, ProcessMemory
-from .sizes import ANY_SIZE, group_bytes, size
+from .sizes import NUM, group_bytes, size
 from .text import LogText, scan, squeeze
 
 _S = r"\s+"
 _EXC = r"(?:[\w.]*(?:Error|Exception)\s*:\s*)?"
 _DEVICE_WORD = r"(?:CUDA|HIP|XPU|MUSA|NPU|MLU|DPCPP)?\s?"
 
-TORCH2 = re.compile(
-    rf"{_DEVICE_WORD}[Oo]ut{_S}of{_S}memory\.(?:{_S}Tried{_S}to{_S}allocate{_S}{size('req')}\.)?"
-    rf"{_S}GPU\s?(?P<dev>\d+)?\s*has{_S}a{_S}total{_S}capac(?:i)?ty{_S}of{_S}{size('total')}"
-    rf"{_S}of{_S}which{_S}{size('free')}{_S}is{_S}free\."
-    rf"(?P<procs>(?:{_S}(?:Process{_S}\d+|Including{_S}non-PyTorch{_S}memory,{_S}this{_S}process)"
-    rf"{_S}has{_S}{ANY_SIZE}{_S}memory{_S}in{_S}use\.)*)"
-    rf"(?:{_S}{size('allowed')}{_S}allowed;)?"
-    rf"(?:{_S}Of{_S}the{_S}allocated{_S}memory{_S}{size('alloc')}{_S}is{_S}allocated{_S}by{_S}PyTorch,"
-    rf"(?:{_S}with{_S}{size('private')}{_S}allocated{_S}in{_S}private{_S}pools(?:{_S}\([^)]{{0,40}}\))?,)?"
-    rf"{_S}and{_S}{size('unalloc')}{_S}is{_S}reserved{_S}by{_S}PyTorch{_S}but{_S}unallocated\.)?"
-)
+
+def _sizer(s: str):
+    """size() for the strict patterns (words separated by whitespace) or the relaxed
+    ones (``s`` = \\s*, lines joined without breaks)."""
+    return lambda name: size(name, strict=s == _S)
+
+
+def torch2_pattern(s: str) -> re.Pattern[str]:
+    sz = _sizer(s)
+    return re.compile(
+        rf"{_DEVICE_WORD}[Oo]ut{s}of{s}memory\.(?:{s}Tried{s}to{s}allocate{s}{sz('req')}\.)?"
+        rf"{s}GPU\s?(?P<dev>\d+)?\s*has{s}a{s}total{s}capac(?:i)?ty{s}of{s}{sz('total')}"
+        rf"{s}of{s}which{s}{sz('free')}{s}is{s}free\."
+        rf"(?P<procs>(?:{s}(?:Process{s}\d+|Including{s}non-PyTorch{s}memory,{s}this{s}process)"
+        rf"{s}has{s}{NUM}\s*(?:bytes|byte|[KMGT]i?B|B){s}memory{s}in{s}use\.)*)"
+        rf"(?:{s}{sz('allowed')}{s}allowed;)?"
+        rf"(?:{s}Of{s}the{s}allocated{s}memory{s}{sz('alloc')}{s}is{s}allocated{s}by{s}PyTorch,"
+        rf"(?:{s}with{s}{sz('private')}{s}allocated{s}in{s}private{s}pools(?:{s}\([^)]{{0,40}}\))?,)?"
+        rf"{s}and{s}{sz('unalloc')}{s}is{s}reserved{s}by{s}PyTorch{s}but{s}unallocated\.)?"
+    )
+
+
+def torch1_pattern(s: str) -> re.Pattern[str]:
+    sz = _sizer(s)
+    return re.compile(
+        rf"{_DEVICE_WORD}out{s}of{s}memory\.{s}Tried{s}to{s}allocate{s}{sz('req')}"
+        rf"{s}\((?:GPU|NPU)\s*(?P<dev>\d+)?;{s}{sz('total')}{s}total{s}capacity;"
+        rf"{s}{sz('alloc')}{s}already{s}allocated;"
+        rf"(?:{s}{sz('active')}{s}current{s}active;)?"
+        rf"(?:{s}{sz('free')}{s}free;)?"
+        rf"(?:{s}{sz('allowed')}{s}allowed;)?"
+        rf"{s}{sz('reserved')}{s}(?P<word>reserved{s}in{s}total{s}by{s}PyTorch|cached)\)"
+    )
+
+
+def malloc_async_pattern(s: str) -> re.Pattern[str]:
+    sz = _sizer(s)
+    return re.compile(
+        rf"Allocation{s}on{s}device{s}(?P<dev>\d+){s}would{s}exceed{s}allowed{s}memory\.{s}"
+        rf"\(out{s}of{s}memory\)"
+        rf"(?:{s}Currently{s}allocated\s*:\s*{sz('alloc')})?"
+        rf"(?:{s}Requested\s*:\s*{sz('req')})?"
+        rf"(?:{s}Device{s}limit\s*:\s*{sz('total')})?"
+        rf"(?:{s}Free{s}\(according{s}to{s}CUDA\)\s*:\s*{sz('free')})?"
+    )
+
+
+def bare_torch_pattern(s: str) -> re.Pattern[str]:
+    """'CUDA out of memory.' anywhere on a line (not inside quotes: code that tests for it)."""
+    return re.compile(rf"(?m)(?<![\"'\w])(?:CUDA|HIP){s}out{s}of{s}memory(?:\.|\s*$)")
+
+
 _PROC = re.compile(
-    rf"(?:Process{_S}(?P<pid>\d+)|(?P<self>Including{_S}non-PyTorch{_S}memory,{_S}this{_S}process))"
-    rf"{_S}has{_S}{size('mem')}{_S}memory{_S}in{_S}use"
+    rf"(?:Process\s*(?P<pid>\d+)|(?P<self>Including\s*non-PyTorch\s*memory,\s*this\s*process))"
+    rf"\s*has\s*{size('mem')}\s*memory\s*in\s*use"
 )
-TORCH1 = re.compile(
-    rf"{_DEVICE_WORD}out{_S}of{_S}memory\.{_S}Tried{_S}to{_S}allocate{_S}{size('req')}"
-    rf"{_S}\((?:GPU|NPU)\s*(?P<dev>\d+)?;{_S}{size('total')}{_S}total{_S}capacity;"
-    rf"{_S}{size('alloc')}{_S}already{_S}allocated;"
-    rf"(?:{_S}{size('active')}{_S}current{_S}active;)?"
-    rf"(?:{_S}{size('free')}{_S}free;)?"
-    rf"(?:{_S}{size('allowed')}{_S}allowed;)?"
-    rf"{_S}{size('reserved')}{_S}(?P<word>reserved{_S}in{_S}total{_S}by{_S}PyTorch|cached)\)"
-)
-MALLOC_ASYNC = re.compile(
-    rf"Allocation{_S}on{_S}device{_S}(?P<dev>\d+){_S}would{_S}exceed{_S}allowed{_S}memory\.{_S}\(out{_S}of{_S}memory\)"
-    rf"(?:{_S}Currently{_S}allocated\s*:\s*{size('alloc')})?"
-    rf"(?:{_S}Requested\s*:\s*{size('req')})?"
-    rf"(?:{_S}Device{_S}limit\s*:\s*{size('total')})?"
-    rf"(?:{_S}Free{_S}\(according{_S}to{_S}CUDA\)\s*:\s*{size('free')})?"
-)
+TORCH2 = torch2_pattern(_S)
+TORCH1 = torch1_pattern(_S)
+MALLOC_ASYNC = malloc_async_pattern(_S)
 # A bare "CUDA out of memory." that the patterns above did not read (truncated, re-raised).
-BARE_TORCH = re.compile(rf"(?m)^\s*{_EXC}(?:CUDA|HIP){_S}out{_S}of{_S}memory\b")
+BARE_TORCH = bare_torch_pattern(_S)
+# The numbers a cut-off message still holds, each on its own
+_PARTIAL = (
+    ("requested_bytes", re.compile(rf"Tried{_S}to{_S}allocate{_S}{size('v')}")),
+    ("total_bytes", re.compile(rf"total{_S}capac(?:i)?ty{_S}of{_S}{size('v')}")),
+    ("total_bytes", re.compile(rf"{size('v')}{_S}total{_S}capacity")),
+    ("free_bytes", re.compile(rf"of{_S}which{_S}{size('v')}{_S}is{_S}free")),
+    ("free_bytes", re.compile(rf"{size('v')}{_S}free;")),
+)
+_PARTIAL_DEVICE = re.compile(r"(?:GPU|NPU)\s?(\d+)")
 CUDA_ERROR = re.compile(
-    rf"(?m)^\s*{_EXC}(?:CUDA|HIP|CUDA{_S}driver){_S}error:{_S}out{_S}of{_S}memory"
+    rf"(?im)(?:^|(?<=[\s:]))(?<![\"'])(?:CUDA|HIP|CUDA{_S}driver){_S}error:{_S}out{_S}of{_S}memory"
     r"|CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation"
 )
 BNB = re.compile(r"Error out of memory at line (?P<line>\d+) in file (?P<file>\S+)")
@@ -82,16 +119,14 @@ NCCL_WARN = re.compile(
 NCCL_UNHANDLED = re.compile(r"ncclUnhandledCudaError(?P<tail>(?:[^\n]*\n?){0,4})")
 
 
-def _oom_event(log: LogText, match: re.Match[str], kind: str, source: str, **fields) -> OomEvent:
+Fields = tuple[str, str, dict]  # (kind, source, OomEvent keyword arguments)
+
+
+def _oom_event(log: LogText, match: re.Match[str], fields: Fields) -> OomEvent:
+    kind, source, extra = fields
     index = log.line_index(match.start())
-    return OomEvent(
-        kind=kind,
-        source=source,
-        line=index + 1,
-        message=squeeze(match.group(0)),
-        rank=log.rank_at(index),
-        **fields,
-    )
+    return OomEvent(kind=kind, source=source, line=index + 1, message=squeeze(match.group(0)),
+                    rank=log.rank_at(index), **extra)
 
 
 def _processes(block: str) -> tuple[ProcessMemory, ...]:
@@ -116,7 +151,7 @@ def _numbers(match: re.Match[str], names: dict[str, str]) -> dict[str, int | flo
     return out
 
 
-def _torch2(log: LogText, m: re.Match[str]) -> OomEvent:
+def torch2_fields(m: re.Match[str], _text: str = "") -> Fields:
     numbers = _numbers(m, {
         "req": "requested_bytes", "total": "total_bytes", "free": "free_bytes",
         "allowed": "allowed_bytes", "alloc": "allocated_bytes",
@@ -125,10 +160,10 @@ def _torch2(log: LogText, m: re.Match[str]) -> OomEvent:
     procs = _processes(m.group("procs") or "")
     if "allocated_bytes" in numbers and "reserved_unallocated_bytes" in numbers:
         numbers["reserved_bytes"] = numbers["allocated_bytes"] + numbers["reserved_unallocated_bytes"]
-    return _oom_event(log, m, CUDA_OOM, "pytorch-2.x", device=_device(m), numbers=numbers, processes=procs)
+    return CUDA_OOM, "pytorch-2.x", {"device": _device(m), "numbers": numbers, "processes": procs}
 
 
-def _torch1(log: LogText, m: re.Match[str]) -> OomEvent:
+def torch1_fields(m: re.Match[str], _text: str = "") -> Fields:
     numbers = _numbers(m, {
         "req": "requested_bytes", "total": "total_bytes", "alloc": "allocated_bytes",
         "free": "free_bytes", "allowed": "allowed_bytes", "reserved": "reserved_bytes",
@@ -139,52 +174,66 @@ def _torch1(log: LogText, m: re.Match[str]) -> OomEvent:
             unalloc = numbers["reserved_bytes"]
             numbers["reserved_bytes"] = numbers["allocated_bytes"] + unalloc
         numbers["reserved_unallocated_bytes"] = max(0, unalloc)
-    return _oom_event(log, m, CUDA_OOM, "pytorch-1.x", device=_device(m), numbers=numbers)
+    return CUDA_OOM, "pytorch-1.x", {"device": _device(m), "numbers": numbers}
 
 
-def _malloc_async(log: LogText, m: re.Match[str]) -> OomEvent:
+def malloc_async_fields(m: re.Match[str], _text: str = "") -> Fields:
     numbers = _numbers(m, {
         "alloc": "allocated_bytes", "req": "requested_bytes",
         "total": "total_bytes", "free": "free_bytes",
     })
-    return _oom_event(log, m, CUDA_OOM, "cuda-malloc-async", device=_device(m), numbers=numbers)
+    return CUDA_OOM, "cuda-malloc-async", {"device": _device(m), "numbers": numbers}
 
 
-def _bnb(log: LogText, m: re.Match[str]) -> OomEvent:
-    return _oom_event(log, m, BNB_OOM, "bitsandbytes", numbers={"source_line": int(m.group("line"))})
+def _bnb(m: re.Match[str], _text: str) -> Fields:
+    return BNB_OOM, "bitsandbytes", {"numbers": {"source_line": int(m.group("line"))}}
 
 
-def _nccl_warn(log: LogText, m: re.Match[str]) -> OomEvent:
+def _nccl_warn(m: re.Match[str], _text: str) -> Fields:
     numbers: dict[str, int | float] = {}
     if m.group("calloc"):
         numbers["requested_bytes"] = int(m.group("calloc"))
-    return _oom_event(log, m, NCCL_OOM, "nccl", device=_device(m), numbers=numbers)
+    return NCCL_OOM, "nccl", {"device": _device(m), "numbers": numbers}
 
 
-def _nccl_unhandled(log: LogText, m: re.Match[str]) -> OomEvent:
-    tail = m.group("tail") or ""
-    stated = 1 if "out of memory" in tail else 0
-    return _oom_event(log, m, NCCL_OOM, "torch-nccl", numbers={"oom_stated": stated})
+def _nccl_unhandled(m: re.Match[str], _text: str) -> Fields:
+    stated = 1 if "out of memory" in (m.group("tail") or "") else 0
+    return NCCL_OOM, "torch-nccl", {"numbers": {"oom_stated": stated}}
 
 
-def _cuda_error(log: LogText, m: re.Match[str]) -> OomEvent:
-    return _oom_event(log, m, CUDA_ERROR_OOM, "cuda")
+def _cuda_error(m: re.Match[str], text: str) -> Fields:
+    tail = text[m.start(): m.start() + 300]
+    # vLLM's CuMemAllocator (sleep mode, RL colocation) allocates outside torch's allocator
+    library = {"library": "vllm"} if "cumem_allocator" in tail else {}
+    return CUDA_ERROR_OOM, "cuda", library
 
 
-def _bare(log: LogText, m: re.Match[str]) -> OomEvent:
-    return _oom_event(log, m, CUDA_OOM, "pytorch")
+def partial_numbers(text: str) -> tuple[dict[str, int | float], int | None]:
+    """The sizes a cut-off or re-worded message still holds ('Tried to allocate 6.56 GiB')."""
+    numbers: dict[str, int | float] = {}
+    for key, pattern in _PARTIAL:
+        m = pattern.search(text)
+        if m and key not in numbers:
+            numbers[key] = group_bytes(m, "v") or 0
+    dev = _PARTIAL_DEVICE.search(text)
+    return numbers, int(dev.group(1)) if dev else None
+
+
+def bare_fields(m: re.Match[str], text: str) -> Fields:
+    numbers, device = partial_numbers(text[m.start(): m.start() + 400].split("\n\n", 1)[0])
+    return CUDA_OOM, "pytorch", {"numbers": numbers, "device": device}
 
 
 # Specific patterns first: a span they read is not read again by the generic ones.
 # Each runs only when one of its words is in the text (long logs rarely hold any).
 _SPECIFIC = (
-    (TORCH2, _torch2, ("capac",)), (TORCH1, _torch1, ("capacity",)),
-    (MALLOC_ASYNC, _malloc_async, ("exceed",)), (BNB, _bnb, ("Error out of memory",)),
+    (TORCH2, torch2_fields, ("capac",)), (TORCH1, torch1_fields, ("capacity",)),
+    (MALLOC_ASYNC, malloc_async_fields, ("exceed",)), (BNB, _bnb, ("Error out of memory",)),
 )
 _GENERIC = (
     (NCCL_WARN, _nccl_warn, ("NCCL WARN",)), (NCCL_UNHANDLED, _nccl_unhandled, ("ncclUnhandled",)),
-    (CUDA_ERROR, _cuda_error, ("error", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation")),
-    (BARE_TORCH, _bare, ("out of memory",)),
+    (CUDA_ERROR, _cuda_error, ("rror", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation")),
+    (BARE_TORCH, bare_fields, ("out of memory",)),
 )
 
 
@@ -212,10 +261,10 @@ def find_gpu_events(log: LogText) -> Iterator[OomEvent]:
     for pattern, build, words in _SPECIFIC:
         for m in scan(pattern, log.text, words):
             spans.append((m.start(), max(m.end(), m.start() + 1)))
-            yield build(log, m)
+            yield _oom_event(log, m, build(m, log.text))
     read = _Spans(spans)
     for pattern, build, words in _GENERIC:
         for m in scan(pattern, log.text, words):
             if m.start() not in read and m.end() - 1 not in read:
-                yield build(log, m)
+                yield _oom_event(log, m, build(m, log.text))
 

@@ -16,6 +16,8 @@ from .text import LogText
 
 _PY_FRAME = re.compile(r'File "(?P<path>[^"]+)", line \d+, in (?P<func>[\w<>.]+)')
 _RICH_FRAME = re.compile(r"(?P<path>\S+\.py):\d+ in (?P<func>[\w<>.]+)")
+# a frame line cut at its start (a pasted fragment): 'line 3479, in cross_entropy'
+_CUT_FRAME = re.compile(r"^\s*line \d+, in (?P<func>[\w<>.]+)\s*$")
 _TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
 _ERROR_LINE = re.compile(r"[\w.]+(?:Error|Exception|Exit|Interrupt):")
 _MAX_LOOKBACK = 600  # lines; long tracebacks (DeepSpeed, vLLM) run to a few hundred
@@ -79,7 +81,8 @@ def _rules(frames: list[Frame]) -> dict[str, bool]:
                  ("optimizer.step", ".step()")),
         "backward": _has(frames, ("backward", "_engine_run_backward", "run_backward"), ("torch/autograd/",),
                          ("loss.backward", ".backward(")),
-        "forward": _has(frames, ("forward", "_call_impl", "_wrapped_call_impl", "compute_loss", "training_step")),
+        "forward": _has(frames, ("forward", "_call_impl", "_wrapped_call_impl", "compute_loss", "training_step",
+                                 "cross_entropy", "loss_function")),
         "data_loading": _has(frames, ("_next_data", "__getitem__", "_worker_loop", "collate_fn",
                                       "default_collate")),
     }
@@ -98,16 +101,49 @@ def _frames_at(log: LogText, indices: list[int]) -> list[Frame]:
     for i in indices:
         text = log.lines[i].text
         m = _PY_FRAME.search(text) or _RICH_FRAME.search(text)
+        cut = None if m else _CUT_FRAME.match(text)
         if m:
             frames.append(Frame(m.group("path").replace("\\", "/"), m.group("func"), ""))
+        elif cut:
+            frames.append(Frame("", cut.group("func"), ""))
         elif frames and not frames[-1].code and text.strip():
             last = frames[-1]
             frames[-1] = Frame(last.path, last.func, text.strip()[:200])
     return frames
 
 
+_CARET = re.compile(r"^\s*[~^]+\s*$")
+
+
+def _is_frame(text: str) -> bool:
+    return bool(_PY_FRAME.search(text) or _RICH_FRAME.search(text) or _CUT_FRAME.match(text))
+
+
+def _frame_block(log: LogText, index: int, rank: int | None, pid: int | None) -> list[int]:
+    """The lines right above ``index`` that are frames, their code lines and carets: a
+    traceback pasted without its "Traceback (most recent call last)" header."""
+    block: list[int] = []
+    i = index - 1
+    while i >= 0 and index - i <= _MAX_LOOKBACK:
+        if not log.same_stream(i, rank, pid):
+            i -= 1
+            continue
+        text = log.lines[i].text
+        above = log.lines[i - 1].text if i > 0 else ""
+        if not text.strip() and block == [] and index - i <= 2:
+            i -= 1  # a blank line between the frames and the error line
+            continue
+        if _is_frame(text) or _CARET.match(text) or (text.strip() and _is_frame(above)):
+            block.append(i)
+            i -= 1
+            continue
+        break
+    return sorted(block)
+
+
 def traceback_before(log: LogText, index: int, rank: int | None, pid: int | None) -> list[Frame]:
-    """Frames of the traceback that ends at line ``index`` (outermost first), same stream only."""
+    """Frames of the traceback that ends at line ``index`` (outermost first), same stream
+    only; without a "Traceback" header, the frames printed right above the error line."""
     lowest = max(0, index - _MAX_LOOKBACK)
     for i in range(index, lowest - 1, -1):
         if not log.same_stream(i, rank, pid):
@@ -116,8 +152,8 @@ def traceback_before(log: LogText, index: int, rank: int | None, pid: int | None
         if _TRACEBACK.search(text):
             return _frames_at(log, [j for j in range(i + 1, index) if log.same_stream(j, rank, pid)])
         if i < index and _ERROR_LINE.match(text):
-            return []  # the end of an earlier, unrelated traceback
-    return []
+            break  # the end of an earlier, unrelated traceback
+    return _frames_at(log, _frame_block(log, index, rank, pid))
 
 
 _CONTEXT_HINTS = (

@@ -24,6 +24,10 @@ _NUMBER_LABELS = (
 )
 
 
+_CHANGES = {"training": "  (changes the training)",
+            "serving": "  (changes what the engine serves)"}
+
+
 def _title(finding: Finding, index: int, count: int) -> Text:
     e = finding.event
     parts = [f"Out of memory {index}/{count}"]
@@ -60,7 +64,7 @@ def _block(finding: Finding) -> Group:
     if not finding.causes:
         rows.append(Text("Cause: not recognised from this message", style="yellow"))
     for i, fix in enumerate(finding.fixes, 1):
-        note = "" if fix.keeps_training else "  (changes the training)"
+        note = "" if fix.keeps_training else _CHANGES.get(fix.domain, "")
         rows.append(Text.assemble((f"Fix {i}: ", "bold green"), fix.summary, (note, "dim")))
     return Group(*rows)
 

@@ -52,7 +52,7 @@ def vllm_runtime(event: OomEvent, cause: Cause) -> list[Fix]:
     text = (f"{_util_text(new_u, u)}: vLLM's budget becomes {fmt_bytes(new_u * total)}, leaving "
             f"{fmt_bytes((1 - new_u) * total)} for the rest (the failed step needed {fmt_bytes(short)} more)")
     return [Fix("gpu_memory_utilization", text, {"gpu_memory_utilization": round(new_u, 2)}, True,
-                after, total, "arithmetic", after <= total)]
+                after, total, "arithmetic", after <= total, domain="serving")]
 
 
 def vllm_free_memory(event: OomEvent) -> list[Fix]:
@@ -67,10 +67,10 @@ def vllm_free_memory(event: OomEvent) -> list[Fix]:
     fixes = [Fix("gpu_memory_utilization",
                  f"{_util_text(new_u, u)}: vLLM takes {fmt_bytes(new_u * total)} next to the "
                  f"{fmt_bytes(held)} already in use", {"gpu_memory_utilization": round(new_u, 2)},
-                 True, after, total, "arithmetic", after <= total)]
+                 True, after, total, "arithmetic", after <= total, domain="serving")]
     fixes.append(Fix("free_gpu", f"or free the {fmt_bytes(held)} other processes hold (nvidia-smi) "
                      f"and keep utilization {u:g}", {}, True, int(u * total), total, "arithmetic",
-                     int(u * total) <= total))
+                     int(u * total) <= total, domain="environment"))
     return fixes
 
 
@@ -80,25 +80,69 @@ def _profile(event: OomEvent, s: Situation) -> dict[str, int | float]:
     return own or dict(s.hints.vllm_profile)
 
 
+_MAX_UTIL = 0.95  # the most we suggest: the CUDA context and the display need the rest
+
+
+def _raise_util(prof: dict, fixed: int, total: int) -> Fix | None:
+    """The utilization that leaves KV cache after weights, activations and non-torch memory."""
+    was = prof.get("gpu_memory_utilization")
+    need_u = _up((fixed + _MARGIN_BYTES) / total)
+    if need_u <= _MAX_UTIL:
+        return Fix("gpu_memory_utilization",
+                   f"{_util_text(need_u, was)}: {fmt_bytes(fixed)} of weights, activations and "
+                   f"non-torch memory plus {fmt_bytes(_MARGIN_BYTES)} of KV cache",
+                   {"gpu_memory_utilization": need_u}, True, int(need_u * total), total,
+                   "arithmetic", True, domain="serving")
+    kv = _MAX_UTIL * total - fixed
+    if kv <= 0 or (was is not None and was >= _MAX_UTIL):
+        return None
+    return Fix("gpu_memory_utilization",
+               f"{_util_text(_MAX_UTIL, was)} when nothing else uses this {fmt_bytes(total)} GPU: "
+               f"{fmt_bytes(kv)} of KV cache after {fmt_bytes(fixed)} of weights, activations and "
+               "non-torch memory (with a smaller profile batch below, more)",
+               {"gpu_memory_utilization": _MAX_UTIL}, True, int(_MAX_UTIL * total), total,
+               "arithmetic", True, domain="serving")
+
+
 def vllm_no_kv(event: OomEvent, s: Situation) -> list[Fix]:
     prof = _profile(event, s)
     total = prof.get("total_bytes")
     fixed = sum(int(prof.get(k, 0)) for k in ("weights_bytes", "activation_bytes", "non_torch_bytes"))
     fixes: list[Fix] = []
-    if total and fixed:
-        need_u = _up((fixed + _MARGIN_BYTES) / total)
-        if need_u <= 0.95:
-            fixes.append(Fix("gpu_memory_utilization",
-                             f"{_util_text(need_u, prof.get('gpu_memory_utilization'))}: "
-                             f"{fmt_bytes(fixed)} of weights, activations and non-torch memory plus "
-                             f"{fmt_bytes(_MARGIN_BYTES)} of KV cache", {"gpu_memory_utilization": need_u},
-                             True, int(need_u * total), int(total), "arithmetic", True))
+    raised = _raise_util(prof, fixed, int(total)) if total and fixed else None
+    if raised is not None:
+        fixes.append(raised)
+    elif not total:  # no profile in the log: the budget is what is known to be too small
+        fixes.append(Fix("gpu_memory_utilization", "raise gpu_memory_utilization (0.9 when nothing "
+                         "else uses the GPU): the budget left nothing for the KV cache after the "
+                         "weights and the profile run", {}, True, domain="serving"))
     act = prof.get("activation_bytes")
     detail = f" (profile-run activations {fmt_bytes(act)})" if act else ""
-    fixes.append(Fix("max_num_batched_tokens", "lower max_num_batched_tokens / max_num_seqs" + detail,
-                     {}, True))
+    fixes.append(Fix("max_num_batched_tokens", "lower max_num_batched_tokens / max_num_seqs: a "
+                     "smaller profile run leaves more for the KV cache" + detail, {}, True,
+                     domain="serving"))
     fixes.append(Fix("quantize", "a quantized checkpoint (AWQ/GPTQ/FP8) or tensor_parallel_size 2 "
-                     "to shrink the weights per GPU", {}, False))
+                     "to shrink the weights per GPU", {}, False, domain="serving"))
+    return fixes
+
+
+def vllm_serving_runtime(event: OomEvent, s: Situation) -> list[Fix]:
+    """A vLLM worker ran out of memory while serving: the engine's settings, not training's."""
+    h = s.hints
+    seqs = f" (was {h.max_num_seqs})" if h.max_num_seqs else ""
+    util = h.gpu_memory_utilization
+    fixes = [Fix("max_num_seqs", f"lower max_num_seqs{seqs} and max_num_batched_tokens: fewer "
+                 "tokens per step than the batch that failed", {}, True, domain="serving"),
+             Fix("max_model_len", "lower max_model_len (prompt + generated tokens) to what the "
+                 "requests need", {}, False, domain="serving")]
+    if util:
+        fixes.append(Fix("gpu_memory_utilization", f"{_util_text(_down(util - 0.05), util)}: more "
+                         "room outside vLLM's budget for what its profile did not count",
+                         {"gpu_memory_utilization": round(_down(util - 0.05), 2)}, True,
+                         domain="serving"))
+    else:
+        fixes.append(Fix("gpu_memory_utilization", "lower gpu_memory_utilization by the missing "
+                         "amount: more room outside vLLM's budget", {}, True, domain="serving"))
     return fixes
 
 
@@ -107,21 +151,27 @@ def vllm_max_len(event: OomEvent, s: Situation) -> list[Fix]:
     fits_len = n.get("estimated_max_model_len") or n.get("kv_cache_tokens")
     fixes: list[Fix] = []
     if fits_len:
-        fixes.append(Fix("max_model_len", f"max_model_len {int(fits_len)} (was {n['max_model_len']}); "
-                         "for generation: prompt cutoff + max_new_tokens within it",
-                         {"max_model_len": int(fits_len)}, False))
+        was = n.get("max_model_len") or s.hints.max_model_len
+        fixes.append(Fix("max_model_len", f"max_model_len {int(fits_len)}"
+                         + (f" (was {was})" if was else "") + "; for generation: prompt cutoff + "
+                         "max_new_tokens within it", {"max_model_len": int(fits_len)}, False,
+                         domain="serving"))
     prof = _profile(event, s)
     total, u = prof.get("total_bytes"), prof.get("gpu_memory_utilization") or s.hints.gpu_memory_utilization
     need, have = n.get("kv_needed_bytes"), n.get("kv_available_bytes")
     if (need is None or have is None) and n.get("kv_cache_tokens") and prof.get("kv_cache_bytes"):
         have = prof["kv_cache_bytes"]  # V0 gives tokens only: scale the profiled KV bytes
-        need = have * n["max_model_len"] / n["kv_cache_tokens"]
-    if total and u and need and have:
+        need = have * n["max_model_len"] / n["kv_cache_tokens"] if n.get("max_model_len") else None
+    if not (total and u and need and have):
+        fixes.append(Fix("gpu_memory_utilization", "raise gpu_memory_utilization (more KV cache) "
+                         "when nothing else uses the GPU, or add GPUs (tensor_parallel_size)", {},
+                         True, domain="serving"))
+    else:
         new_u = _up(u + (need - have) / total)
         fixes.append(Fix("gpu_memory_utilization",
                          f"{_util_text(new_u, u)}: {fmt_bytes(need - have)} more KV cache",
                          {"gpu_memory_utilization": new_u}, True, int(new_u * total), int(total),
-                         "arithmetic", new_u <= 1.0))
+                         "arithmetic", new_u <= 1.0, domain="serving"))
     return fixes
 
 
@@ -148,6 +198,8 @@ def serving_fixes(event: OomEvent, cause: Cause, s: Situation) -> list[Fix]:
         return vllm_no_kv(event, s)
     if cause.code == "vllm_max_len":
         return vllm_max_len(event, s)
+    if cause.code == "vllm_runtime":
+        return vllm_serving_runtime(event, s)
     if cause.code == "host_ram":
         return host_fixes(event, s)
     return []

@@ -29,9 +29,12 @@ NUM = r"\d{1,15}(?:\.\d{1,6})?"
 UNIT = r"(?:bytes|byte|[KMGT]i?B|B)\b"
 
 
-def size(name: str) -> str:
-    """Regex for one printed size, with groups ``name`` (number) and ``name_u`` (unit)."""
-    return rf"(?P<{name}>{NUM})\s*(?P<{name}_u>{UNIT})"
+def size(name: str, strict: bool = True) -> str:
+    """Regex for one printed size, with groups ``name`` (number) and ``name_u`` (unit).
+    ``strict=False``: the unit may run into the next word (a line joined without its
+    break, "23.15 GiBmemory in use")."""
+    unit = UNIT if strict else UNIT.removesuffix(r"\b")
+    return rf"(?P<{name}>{NUM})\s*(?P<{name}_u>{unit})"
 
 
 ANY_SIZE = rf"{NUM}\s*{UNIT}"

@@ -5,6 +5,13 @@ Multi-process launchers prefix every line: torch ≥ 2.2 writes ``[rank3]:``,
 pid=532)``, loggers add levels and timestamps. Messages that wrap across
 lines only match once those prefixes are gone, so patterns run on the joined
 clean text and positions map back to lines here.
+
+Ranks writing to one stream interleave: a line of rank 1 can start in the
+middle of a line of rank 0, whose rest then continues on the next line. Such a
+line is split at the second prefix, and an unprefixed line right after it is
+given to the interrupted rank (``CleanLine.cut`` marks the interrupted piece,
+so that its continuation joins it without a line break, see
+:meth:`LogText.streams`).
 """
 
 from __future__ import annotations
@@ -39,11 +46,16 @@ _MAYBE_PREFIX = re.compile(
 _MAX_PREFIX_ROUNDS = 8
 
 
+_MID_RANK = re.compile(r"\[(?:rank|default)\d{1,5}\]:")
+
+
 @dataclass(frozen=True)
 class CleanLine:
     text: str
     rank: int | None
     pid: int | None
+    raw: int = 0  # 0-based index of the log line this piece comes from
+    cut: bool = False  # interrupted by another rank's line: its rest is on a later line
 
 
 def clean_line(raw: str) -> CleanLine:
@@ -76,11 +88,30 @@ def clean_line(raw: str) -> CleanLine:
     return CleanLine(_BOX_END.sub("", text), rank, pid)
 
 
+def _split_interleaved(raw_lines: list[str]) -> list[CleanLine]:
+    out: list[CleanLine] = []
+    interrupted: int | None = None  # rank of the last piece another rank's line cut short
+    for number, raw in enumerate(raw_lines):
+        starts = [m.start() for m in _MID_RANK.finditer(raw) if m.start() > 0] \
+            if "]:" in raw else []
+        pieces = [raw[a:b] for a, b in zip([0, *starts], [*starts, len(raw)], strict=True)]
+        for i, piece in enumerate(pieces):
+            line = clean_line(piece)
+            if i == 0 and line.rank is None and interrupted is not None:
+                line = CleanLine(line.text, interrupted, line.pid)  # the rest of a cut line
+                interrupted = None
+            cut = i == 0 and len(pieces) > 1
+            out.append(CleanLine(line.text, line.rank, line.pid, number, cut))
+        if len(pieces) > 1:
+            interrupted = out[-len(pieces)].rank
+    return out
+
+
 class LogText:
     """Clean lines of a log, their joined text, and position → line mapping."""
 
     def __init__(self, raw: str) -> None:
-        self.lines: list[CleanLine] = [clean_line(r) for r in raw.splitlines()]
+        self.lines: list[CleanLine] = _split_interleaved(raw.splitlines())
         self.text = "\n".join(line.text for line in self.lines)
         self._starts: list[int] = []
         pos = 0
@@ -93,6 +124,29 @@ class LogText:
         if not self._starts:
             return 0
         return max(0, bisect.bisect_right(self._starts, pos) - 1)
+
+    def raw_number(self, line: int) -> int:
+        """The 1-based log line of the 1-based clean line ``line``."""
+        if 1 <= line <= len(self.lines):
+            return self.lines[line - 1].raw + 1
+        return max(1, line)
+
+    def streams(self) -> dict[int | None, tuple[str, list[int], list[int]]]:
+        """Per rank: the rank's lines joined without line breaks (wrapped and interleaved
+        messages become whole again), the start of each piece in it, and the clean-line
+        index of each piece. A line without a rank prefix goes with the rank of the line
+        before it (a wrapped line's rest carries no prefix). Patterns for this text
+        separate words by ``\\s*``."""
+        out: dict[int | None, tuple[list[str], list[int], list[int]]] = {}
+        rank = None
+        for index, line in enumerate(self.lines):
+            rank = line.rank if line.rank is not None else rank
+            parts, starts, indices = out.setdefault(rank, ([], [], []))
+            starts.append(sum(map(len, parts)) if not starts else starts[-1] + len(parts[-1]))
+            parts.append(line.text)
+            indices.append(index)
+        return {rank: ("".join(parts), starts, indices) for rank, (parts, starts, indices)
+                in out.items()}
 
     def rank_at(self, index: int) -> int | None:
         if 0 <= index < len(self.lines):

@@ -14,6 +14,15 @@ vllm/worker/worker.py and vllm/v1/worker/gpu_worker.py, vllm/utils ``MemorySnaps
 - "Free memory on device [cuda:0] (F/T GiB) on startup is less than desired
   GPU memory utilization (u, B GiB)."
 
+A failure whose final line is missing from the log (pasted fragments) is still
+read from what vLLM printed before it: "the rest of the memory reserved for
+KV Cache is -1.05GiB", "# cuda blocks: 0" / "# GPU blocks: 0", "Maximum
+concurrency for N tokens per request: 0.00x", "Available KV cache memory: -X
+GiB", or a traceback through ``raise_if_cache_size_invalid`` (or V0's "Error
+executing method initialize_cache") after "# GPU
+blocks: N" (N > 0: max_model_len is longer than N × 16 tokens, vLLM's default
+block size).
+
 Profiling lines read as context: "the current vLLM instance can use
 total_gpu_memory (T GiB) x gpu_memory_utilization (u) = B GiB", "model
 weights take W GiB; non_torch_memory takes N GiB; PyTorch activation peak
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 
 from .events import VLLM_FREE_MEMORY, VLLM_MAX_LEN, VLLM_NO_KV, OomEvent
 from .sizes import NUM, group_bytes, size, to_bytes
@@ -72,6 +82,16 @@ _WEIGHTS_TOOK = re.compile(rf"(?:Loading{_S}model{_S}weights|Model{_S}loading){_
 _KV_TOKENS = re.compile(rf"GPU{_S}KV{_S}cache{_S}size:\s*(?P<tokens>[\d,]+){_S}tokens")
 
 
+_BLOCKS = re.compile(r"#\s*(?:cuda|GPU)\s+blocks:\s*(?P<blocks>\d+)")
+_CONCURRENCY = re.compile(rf"Maximum{_S}concurrency{_S}for{_S}(?P<len>\d+){_S}tokens{_S}per"
+                          rf"{_S}request:\s*(?P<x>{NUM})x")
+# vLLM V0: worker.initialize_cache → raise_if_cache_size_invalid raises one of the two
+# KV-cache errors; a fragment may show only the call or the executor's error line
+_CACHE_CHECK = re.compile(r"raise_if_cache_size_invalid|Error executing method initialize_cache")
+VLLM_BLOCK_SIZE = 16  # vLLM's default KV block size (tokens)
+_FRAGMENT_WINDOW = 60  # lines: the final error of a start-up failure follows its profile
+
+
 def _gib(text: str) -> int:
     return int(round(float(text) * _GIB))
 
@@ -108,6 +128,48 @@ def find_vllm_events(log: LogText) -> Iterator[OomEvent]:
             "gpu_memory_utilization": float(m.group("util")),
             "requested_bytes": _gib(m.group("want")),
         })
+
+
+def _fragment_events(log: LogText) -> Iterator[OomEvent]:
+    """Start-up failures whose final error line is not in the log (see the docstring)."""
+    text = log.text
+    for m in scan(_SPLIT, text, ("model weights take",)):
+        if float(m.group("kv")) <= 0:
+            yield _event(log, m, VLLM_NO_KV, {"kv_cache_bytes": _gib(m.group("kv"))})
+    for m in scan(_AVAILABLE_KV, text, ("Available KV cache memory",)):
+        if float(m.group("kv")) <= 0:
+            yield _event(log, m, VLLM_NO_KV, {"kv_cache_bytes": _gib(m.group("kv"))})
+    blocks = {log.line_index(m.start()): int(m.group("blocks"))
+              for m in scan(_BLOCKS, text, ("blocks:",))}
+    for m in scan(_BLOCKS, text, ("blocks:",)):
+        if int(m.group("blocks")) == 0:
+            yield _event(log, m, VLLM_NO_KV, {"num_gpu_blocks": 0})
+    for m in scan(_CONCURRENCY, text, ("Maximum concurrency",)):
+        if float(m.group("x")) == 0:
+            yield _event(log, m, VLLM_NO_KV, {"max_model_len": int(m.group("len"))})
+    for m in scan(_CACHE_CHECK, text, ("raise_if_cache_size_invalid", "initialize_cache")):
+        at = log.line_index(m.start())
+        before = [b for line, b in blocks.items() if at - _FRAGMENT_WINDOW <= line < at]
+        if before and before[-1] > 0:
+            yield _event(log, m, VLLM_MAX_LEN, {
+                "kv_cache_tokens": before[-1] * VLLM_BLOCK_SIZE, "num_gpu_blocks": before[-1]})
+        else:
+            yield _event(log, m, VLLM_NO_KV, {})
+
+
+def _near(event: OomEvent, others: list[OomEvent]) -> bool:
+    return any(0 <= o.line - event.line <= _FRAGMENT_WINDOW for o in others)
+
+
+def find_vllm_fragments(log: LogText, complete: list[OomEvent]) -> list[OomEvent]:
+    """The first fragment event of each start-up failure that has no complete message."""
+    out: list[OomEvent] = []
+    for event in sorted(_fragment_events(log), key=lambda e: e.line):
+        if _near(event, complete) or any(abs(event.line - o.line) <= _FRAGMENT_WINDOW
+                                         for o in out):
+            continue
+        out.append(replace(event, source="vllm (the error line is not in the log)"))
+    return out
 
 
 def vllm_profile(text: str, before: int | None = None) -> dict[str, int | float]:

@@ -28,6 +28,15 @@ VLLM_CUDAGRAPH_BYTES = 1 * GiB
 # max_num_batched_tokens for LLM on a data-centre GPU; 2048 on small cards).
 VLLM_DEFAULT_BATCHED_TOKENS = 8192
 VLLM_DEFAULT_BLOCK_SIZE = 16
+# The largest utilization we ask for: the CUDA context of the engine's own process and
+# whatever else shares the card need the rest (vLLM's own default is 0.9).
+MAX_UTILIZATION = 0.95
+# vLLM compares the requested budget with the memory free *after* its worker created its
+# CUDA context (vllm/v1/worker/gpu_worker.py init_device: the MemorySnapshot is taken
+# after torch.cuda init and NCCL), so that context counts as used by others there.
+ENGINE_CONTEXT_BYTES = C.CUDA_CONTEXT_BYTES
+# vLLM's supported LoRA ranks (vllm/config/lora.py, MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def weight_bytes_16bit(spec: ModelSpec, elem_bytes: int = 2) -> int:
@@ -86,8 +95,10 @@ class VllmBudget:
     max_model_len: int
     max_num_seqs: int
     max_concurrency: float  # full-length sequences the KV cache holds
-    required_utilization: float  # smallest that holds max_num_seqs × max_model_len
-    fits: bool
+    required_bytes: int  # what holding max_num_seqs × max_model_len takes (+ headroom)
+    required_utilization: float | None  # the fraction that holds them; None: more than the card
+    holds_max_num_seqs: bool  # the chosen utilization holds max_num_seqs full-length sequences
+    fits: bool  # at least one full-length sequence fits
     free_at_start_ok: bool  # the budget is not more than what is free at start-up
 
     def to_dict(self) -> dict:
@@ -107,7 +118,8 @@ def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs:
                 headroom: float = 0.02) -> VllmBudget:
     """vLLM's memory arithmetic; with no utilization given, choose the smallest
     that holds ``max_num_seqs`` sequences of ``max_model_len`` tokens (+ headroom),
-    capped by what other processes leave free."""
+    capped by MAX_UTILIZATION and by what other processes leave free (then
+    ``holds_max_num_seqs`` is False and vLLM queues what the KV cache cannot hold)."""
     total = gpu.memory_bytes
     kv_b = 1 if kv_cache_dtype.startswith("fp8") else 2
     weights = weight_bytes_16bit(spec)
@@ -128,7 +140,8 @@ def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs:
     # (gpu_worker.init_device), so the cap leaves room for that context.
     free_frac = (total - used_by_others_bytes - C.CUDA_CONTEXT_BYTES) / total
     util = gpu_memory_utilization if gpu_memory_utilization is not None else min(
-        round(math.ceil(required * 100) / 100, 2), round(math.floor(free_frac * 100) / 100, 2))
+        round(math.ceil(required * 100) / 100, 2), MAX_UTILIZATION,
+        round(math.floor(free_frac * 100) / 100, 2))
     budget = int(util * total)
     kv = max(0, budget - non_kv)
     num_blocks = kv // block
@@ -138,7 +151,80 @@ def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs:
         weights_bytes=weights, profile_peak_bytes=profile, non_torch_bytes=non_torch,
         kv_cache_bytes=kv, block_bytes=block, num_blocks=num_blocks,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_concurrency=round(concurrency, 2), required_utilization=round(required, 4),
+        max_concurrency=round(concurrency, 2), required_bytes=int(required * total),
+        required_utilization=round(required, 4) if required <= 1 else None,
+        holds_max_num_seqs=concurrency >= max_num_seqs,
         fits=num_blocks * block_size >= max_model_len,
         free_at_start_ok=budget <= total - used_by_others_bytes + 64 * MiB,
     )
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM supports that holds ``rank``."""
+    from ..errors import ConfigError
+
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ConfigError(f"LoRA rank {rank} is above vLLM's largest ({VLLM_LORA_RANKS[-1]})")
+    return fitting[0]
+
+
+def served_model_id(text: str) -> str:
+    """What vLLM loads: a catalog name's Hugging Face id, else the id or folder given."""
+    from ..models.catalog import find_entry
+
+    entry = find_entry(text)
+    return entry.hf_id if entry is not None else text
+
+
+def needs_remote_code(spec: ModelSpec) -> bool:
+    """Models whose code lives in their Hub repository (the Hub's custom_code tag)."""
+    return spec.model_type in REMOTE_CODE_MODEL_TYPES
+
+
+# THUDM/glm-4-9b-chat and glm-4v-9b (chatglm), Qwen/Qwen-7B (qwen), internlm2-chat-7b
+# (internlm2), openbmb MiniCPM(-V), MoE-LLaVA
+REMOTE_CODE_MODEL_TYPES = frozenset({"chatglm", "qwen", "internlm", "internlm2", "minicpm",
+                                     "minicpmv", "moe_llava_phi", "moe_llava"})
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What a vLLM engine is asked to serve (``oomless infer`` and ``estimate --inference``)."""
+
+    model: str
+    max_model_len: int
+    max_num_seqs: int = 256
+    gpu_memory_utilization: float | None = None
+    lora_rank: int = 0
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    seed: int = 42
+    kv_cache_dtype: str = "auto"
+
+
+def vllm_engine_args(spec: ModelSpec, gpu: GPUSpec, req: EngineRequest,
+                     used_by_others_bytes: int = 0) -> tuple[dict, VllmBudget]:
+    """vLLM ``LLM(**args)`` and the budget behind them: one function for every command
+    that prints or uses them, so they agree to the byte."""
+    rank = vllm_lora_rank(req.lora_rank) if req.lora_rank else 0
+    budget = vllm_budget(spec, gpu, max_model_len=req.max_model_len,
+                         max_num_seqs=req.max_num_seqs,
+                         gpu_memory_utilization=req.gpu_memory_utilization, lora_rank=rank,
+                         kv_cache_dtype=req.kv_cache_dtype,
+                         used_by_others_bytes=used_by_others_bytes + ENGINE_CONTEXT_BYTES)
+    args: dict = {
+        "model": served_model_id(req.model), "dtype": req.dtype,
+        "max_model_len": req.max_model_len,
+        "gpu_memory_utilization": budget.gpu_memory_utilization,
+        "max_num_seqs": req.max_num_seqs,
+        "enable_prefix_caching": True,  # shared prompt prefixes are computed once
+        "enable_lora": bool(rank),
+        "trust_remote_code": req.trust_remote_code or needs_remote_code(spec),
+        "seed": req.seed, "disable_log_stats": True,
+    }
+    if rank:
+        args["max_lora_rank"] = rank
+    if req.kv_cache_dtype != "auto":
+        args["kv_cache_dtype"] = req.kv_cache_dtype
+    return args, budget

@@ -173,5 +173,5 @@ def write_best(result: PlanResult, req: PlanRequest, spec: ModelSpec, out_dir: s
         return []
     cfg = result.best.run_config()
     model_id, family = model_id_for(cfg.model)
-    paths = write_plan_files(out_dir, cfg, spec, req.cluster, model_id, family)
+    paths = write_plan_files(out_dir, cfg, spec, req.cluster, model_id, family, data=req.data)
     return [str(p) for p in paths]

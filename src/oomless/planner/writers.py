@@ -9,17 +9,30 @@
 - training_args.json: keyword arguments of transformers.TrainingArguments
 - llamafactory.yaml: a LLaMA-Factory (0.9.x) SFT training YAML
 - vllm.json: vLLM EngineArgs for the inference step (memory.inference.vllm_budget)
+- README.md: what each file is for and the commands that run them
+
+Warm-up is ``warmup_ratio`` (accepted by transformers 4.31–5.14, every version
+LLaMA-Factory supports) or, when the number of steps is known (``--data``,
+``training.max_steps``), an integer ``warmup_steps`` valid in every version —
+never a fractional ``warmup_steps``, which transformers 4.x reads as steps
+(0.03 steps: no warm-up). Models whose code lives in their Hub repository
+(GLM-4 and GLM-4V of THUDM, Qwen 1, InternLM, MiniCPM, MoE-LLaVA) get
+``trust_remote_code`` in every file that loads them.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig, dump_run_config
 from ..fileio import write_atomic
 from ..knobs import ATTENTIONS, OPTIMIZERS
+from ..memory.inference import EngineRequest, needs_remote_code
+from ..memory.inference import vllm_engine_args as vllm_engine_args_for
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 
@@ -30,8 +43,23 @@ LF_TEMPLATE_BY_FAMILY = {"glm4": "glm4", "qwen2.5": "qwen", "qwen2-moe": "qwen",
                          "qwen2.5-vl": "qwen2_vl", "qwen3": "qwen3", "llama2": "llama2",
                          "llama3": "llama3", "mistral": "mistral", "mixtral": "mistral",
                          "gemma2": "gemma2", "phi3": "phi", "llava": "llava"}
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
 DEFAULT_MAX_NEW_TOKENS = 512  # inference length when the plan has no generation setting
+DATA_PLACEHOLDER = "YOUR_TRAINING_DATA.jsonl"  # written when `plan` got no --data
+
+
+def total_steps(cfg: RunConfig, samples: int | None) -> int | None:
+    """Optimizer steps of the run: max_steps, else samples / effective batch × epochs."""
+    if cfg.training.max_steps:
+        return cfg.training.max_steps
+    if not samples:
+        return None
+    return max(1, math.ceil(math.ceil(samples / cfg.effective_batch) * cfg.training.epochs))
+
+
+def warmup(cfg: RunConfig, steps: int | None) -> dict[str, Any]:
+    if steps:
+        return {"warmup_steps": math.ceil(cfg.training.warmup_ratio * steps)}
+    return {"warmup_ratio": cfg.training.warmup_ratio}
 
 
 def _half(cfg: RunConfig) -> str:
@@ -74,11 +102,11 @@ def deepspeed_config(cfg: RunConfig, spec: ModelSpec) -> dict[str, Any] | None:
     return ds
 
 
-def training_arguments(cfg: RunConfig, deepspeed_path: str | None) -> dict[str, Any]:
-    """transformers.TrainingArguments(**this), for the pinned transformers 5.x:
-    ``warmup_steps`` below 1 is the warmup ratio there (5.x removed
-    ``warmup_ratio``); ``gradient_checkpointing`` is accepted by 4.x and 5.x
-    (5.x aliases it to activation_checkpointing)."""
+def training_arguments(cfg: RunConfig, deepspeed_path: str | None,
+                       steps: int | None = None) -> dict[str, Any]:
+    """transformers.TrainingArguments(**this): warm-up as :func:`warmup` (an integer
+    ``warmup_steps`` when the steps are known); ``gradient_checkpointing`` is accepted
+    by 4.x and 5.x (5.x aliases it to activation_checkpointing)."""
     t = cfg.training
     args: dict[str, Any] = {
         "output_dir": t.output_dir,
@@ -86,7 +114,7 @@ def training_arguments(cfg: RunConfig, deepspeed_path: str | None) -> dict[str, 
         "gradient_accumulation_steps": cfg.grad_accum,
         "per_device_eval_batch_size": cfg.eval_batch_size,
         "learning_rate": t.learning_rate, "lr_scheduler_type": t.lr_scheduler,
-        "warmup_steps": t.warmup_ratio, "weight_decay": t.weight_decay,
+        **warmup(cfg, steps), "weight_decay": t.weight_decay,
         "max_grad_norm": t.max_grad_norm, "seed": t.seed,
         "logging_steps": t.logging_steps, "num_train_epochs": t.epochs,
         "bf16": cfg.precision == "bf16", "fp16": cfg.precision == "fp16",
@@ -145,7 +173,7 @@ def llamafactory_config(cfg: RunConfig, spec: ModelSpec, model_id: str, family: 
         "per_device_train_batch_size": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
         "learning_rate": t.learning_rate, "num_train_epochs": t.epochs,
-        "lr_scheduler_type": t.lr_scheduler, "warmup_steps": t.warmup_ratio,
+        "lr_scheduler_type": t.lr_scheduler, "warmup_ratio": t.warmup_ratio,
         "max_grad_norm": t.max_grad_norm, "logging_steps": t.logging_steps,
         "output_dir": t.output_dir, "flash_attn": ATTENTIONS[cfg.attn].llamafactory,
         "disable_gradient_checkpointing": not cfg.grad_ckpt,
@@ -174,45 +202,67 @@ def llamafactory_config(cfg: RunConfig, spec: ModelSpec, model_id: str, family: 
                    "max_new_tokens": cfg.eval.max_new_tokens or DEFAULT_MAX_NEW_TOKENS})
     if deepspeed_path:
         lf["deepspeed"] = deepspeed_path
+    if needs_remote_code(spec):
+        lf["trust_remote_code"] = True
     return lf
 
 
 def vllm_engine_args(cfg: RunConfig, spec: ModelSpec, cluster: Cluster,
                      model_id: str) -> dict[str, Any]:
-    """vLLM EngineArgs for generation with the trained model: max_model_len =
-    cutoff + max_new_tokens; gpu_memory_utilization = the smallest that holds
-    max_num_seqs full-length sequences (oomless.memory.vllm_budget), one GPU
-    per engine, tensor parallel over the node's GPUs when one GPU cannot hold it."""
-    from ..memory import vllm_budget
-
+    """vLLM EngineArgs for generation with the trained model (memory.inference's, as
+    `oomless infer` uses them): max_model_len = cutoff + max_new_tokens; the largest
+    max_num_seqs (256 down, halving) whose full-length sequences the card holds at a
+    utilization the memory model computes; one GPU per engine."""
     new_tokens = cfg.eval.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-    max_len = cfg.seq_len + new_tokens
-    rank = 0 if cfg.method == "full" else cfg.lora.r
-    seqs = 256
-    budget = vllm_budget(spec, cluster.gpu, max_len, seqs, lora_rank=rank)
-    while not budget.fits or budget.gpu_memory_utilization > 0.95:
-        if seqs == 1:
-            break
-        seqs //= 2
-        budget = vllm_budget(spec, cluster.gpu, max_len, seqs, lora_rank=rank)
-    args: dict[str, Any] = {
-        "model": model_id, "dtype": "bfloat16" if cluster.gpu.bf16 else "float16",
-        "max_model_len": max_len, "gpu_memory_utilization": budget.gpu_memory_utilization,
-        "max_num_seqs": seqs, "enable_prefix_caching": True,
-        "enable_lora": cfg.method != "full", "tensor_parallel_size": 1,
-        "trust_remote_code": spec.model_type == "chatglm",
-    }
+    req = EngineRequest(model=model_id, max_model_len=cfg.seq_len + new_tokens,
+                        lora_rank=0 if cfg.method == "full" else cfg.lora.r,
+                        trust_remote_code=cfg.training.trust_remote_code)
+    args, budget = vllm_engine_args_for(spec, cluster.gpu, req)
+    while (not budget.fits or not budget.holds_max_num_seqs) and req.max_num_seqs > 1:
+        req = replace(req, max_num_seqs=req.max_num_seqs // 2)
+        args, budget = vllm_engine_args_for(spec, cluster.gpu, req)
     if cfg.method != "full":
-        args.update({"max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= cfg.lora.r),
-                     "max_loras": 1})
+        args["max_loras"] = 1
     return args
 
 
+def readme(cfg: RunConfig, files: list[str], placeholder: bool, steps: int | None) -> str:
+    """What the folder holds and the next commands."""
+    lines = ["# The plan's files", "", "| file | for |", "|---|---|"]
+    uses = {"oomless.yaml": "`oomless train oomless.yaml` (also `estimate`, `check`)",
+            "deepspeed.json": "DeepSpeed (named by the other files)",
+            "accelerate.yaml": "`accelerate launch --config_file accelerate.yaml YOUR_SCRIPT.py`",
+            "training_args.json": "`transformers.TrainingArguments(**json.load(...))`",
+            "llamafactory.yaml": "`llamafactory-cli train llamafactory.yaml`",
+            "vllm.json": "`vllm.LLM(**json.load(...))` for generation with the trained model"}
+    lines += [f"| {name} | {uses.get(name, '')} |" for name in files]
+    lines += ["", "Next:", "", "```", "oomless train oomless.yaml", "```", ""]
+    if placeholder:
+        lines += [f"`plan` was not given `--data`: `oomless.yaml` names `{DATA_PLACEHOLDER}` as "
+                  f"`data.train_file` and `llamafactory.yaml` the dataset "
+                  f"`{Path(DATA_PLACEHOLDER).stem}`. Replace "
+                  "them with your data (a .jsonl, .json or .parquet file; for LLaMA-Factory, a "
+                  "dataset registered in its dataset_info.json), or run `oomless plan` again with "
+                  "`--data FILE` (its lengths also shape the plan).", ""]
+    if "warmup_ratio" in warmup(cfg, steps):
+        lines += ["`training_args.json` sets `warmup_ratio`, which transformers accepts up to "
+                  "5.14; with a newer transformers write the same fraction as `warmup_steps` "
+                  "(there a value below 1 is a ratio), or give `plan` the data so that it writes "
+                  "whole warm-up steps.", ""]
+    return "\n".join(lines)
+
+
 def write_plan_files(out_dir: str | Path, cfg: RunConfig, spec: ModelSpec, cluster: Cluster,
-                     model_id: str, family: str = "") -> list[Path]:
-    """Write every file for one plan into ``out_dir``; return their paths."""
+                     model_id: str, family: str = "", data: Any = None) -> list[Path]:
+    """Write every file for one plan into ``out_dir``; return their paths. ``data``: the
+    DataProfile of `plan --data` (the file and its sample count), or None."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    train_file = str(Path(data.file).resolve()) if data is not None else DATA_PLACEHOLDER
+    cfg = cfg.replace(**{"data.train_file": train_file,
+                         "training.trust_remote_code": cfg.training.trust_remote_code
+                         or needs_remote_code(spec)})
+    steps = total_steps(cfg, data.records - data.rejected if data is not None else None)
     written: dict[str, str] = {"oomless.yaml": dump_run_config(cfg)}
     ds = deepspeed_config(cfg, spec)
     ds_name = str((out / "deepspeed.json").resolve()) if ds else None
@@ -221,11 +271,13 @@ def write_plan_files(out_dir: str | Path, cfg: RunConfig, spec: ModelSpec, clust
     import yaml
 
     written["accelerate.yaml"] = yaml.safe_dump(accelerate_config(cfg, ds_name), sort_keys=False)
-    written["training_args.json"] = json.dumps(training_arguments(cfg, ds_name), indent=2) + "\n"
+    written["training_args.json"] = json.dumps(training_arguments(cfg, ds_name, steps),
+                                               indent=2) + "\n"
     written["llamafactory.yaml"] = yaml.safe_dump(
         llamafactory_config(cfg, spec, model_id, family, ds_name), sort_keys=False)
     written["vllm.json"] = json.dumps(vllm_engine_args(cfg, spec, cluster, model_id),
                                       indent=2) + "\n"
+    written["README.md"] = readme(cfg, list(written), data is None, steps)
     paths = []
     for name, text in written.items():
         write_atomic(out / name, text)

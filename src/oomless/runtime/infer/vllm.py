@@ -19,18 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError, GPUUnavailableError
-from ...memory import constants as C
+from ...memory.inference import (
+    ENGINE_CONTEXT_BYTES,
+    EngineRequest,
+    vllm_engine_args,
+)
 from ...models.hardware import GPUSpec, get_gpu
 from ...units import fmt_bytes
 from .core import Generation, InferOptions
-
-# vLLM compares the requested budget with the memory free *after* its worker
-# created its CUDA context (vllm/v1/worker/gpu_worker.py init_device: the
-# MemorySnapshot is taken after torch.cuda init and NCCL), so that context is
-# "used by others" as far as the start-up check goes.
-ENGINE_CONTEXT_BYTES = C.CUDA_CONTEXT_BYTES
-# vLLM's supported LoRA ranks (vllm/config/lora.py, max_lora_rank choices).
-VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def adapter_rank(adapter: str | None) -> int:
@@ -49,13 +45,6 @@ def adapter_rank(adapter: str | None) -> int:
     return rank
 
 
-def vllm_lora_rank(rank: int) -> int:
-    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
-    if not fitting:
-        raise ConfigError(f"LoRA rank {rank} is above vLLM's largest ({VLLM_LORA_RANKS[-1]})")
-    return fitting[0]
-
-
 def gpu_spec_for(name: str, total_bytes: int) -> GPUSpec:
     """The catalog entry of an NVML device name, with NVML's exact total memory."""
     from ...errors import UnknownGPUError
@@ -69,33 +58,19 @@ def gpu_spec_for(name: str, total_bytes: int) -> GPUSpec:
                        pcie_gbs=0.0, source="NVML")
 
 
+def engine_request(opts: InferOptions) -> EngineRequest:
+    return EngineRequest(model=opts.model, max_model_len=opts.max_model_len,
+                         max_num_seqs=opts.max_num_seqs,
+                         gpu_memory_utilization=opts.gpu_memory_utilization,
+                         lora_rank=adapter_rank(opts.adapter), dtype=opts.dtype,
+                         trust_remote_code=opts.trust_remote_code, seed=opts.seed)
+
+
 def engine_args(opts: InferOptions, spec: Any, gpu: GPUSpec,
                 used_by_others_bytes: int = 0) -> tuple[dict[str, Any], Any]:
     """(vLLM ``LLM(**args)``, the VllmBudget behind them); ConfigError when it cannot fit."""
-    from ...memory import vllm_budget
-
-    rank = adapter_rank(opts.adapter)
-    used_at_check = used_by_others_bytes + ENGINE_CONTEXT_BYTES
-    budget = vllm_budget(
-        spec, gpu, max_model_len=opts.max_model_len, max_num_seqs=opts.max_num_seqs,
-        gpu_memory_utilization=opts.gpu_memory_utilization,
-        lora_rank=vllm_lora_rank(rank) if rank else 0, used_by_others_bytes=used_at_check,
-    )
-    _check_budget(budget, gpu, used_at_check, opts)
-    args: dict[str, Any] = {
-        "model": opts.model,
-        "dtype": opts.dtype if opts.dtype != "auto" else "auto",
-        "max_model_len": opts.max_model_len,
-        "gpu_memory_utilization": budget.gpu_memory_utilization,
-        "max_num_seqs": budget.max_num_seqs,
-        "enable_prefix_caching": True,  # the judge prompt's shared prefix is computed once
-        "enable_lora": bool(rank),
-        "trust_remote_code": opts.trust_remote_code,
-        "seed": opts.seed,
-        "disable_log_stats": True,
-    }
-    if rank:
-        args["max_lora_rank"] = vllm_lora_rank(rank)
+    args, budget = vllm_engine_args(spec, gpu, engine_request(opts), used_by_others_bytes)
+    _check_budget(budget, gpu, used_by_others_bytes + ENGINE_CONTEXT_BYTES, opts)
     return args, budget
 
 

@@ -1,0 +1,114 @@
+"""Readings shared by the formats built on transformers' TrainingArguments."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from ..config import RunConfig
+from ..knobs import OPTIMIZERS, optimizer_from_hf
+from .sources import Reading
+
+# Module names the model's own code uses, for writing LoRA targets back
+NATIVE_LINEAR_NAMES = {
+    "chatglm": {"qkv_proj": "query_key_value", "o_proj": "dense",
+                "gate_up_proj": "dense_h_to_4h", "down_proj": "dense_4h_to_h"},
+    "phi": {"o_proj": "dense", "up_proj": "fc1", "down_proj": "fc2"},
+}
+# Pre-quantized checkpoints by the names their publishers give them
+PRE_QUANTIZED = re.compile(r"(?i)(?:^|[-_/.])(gptq|awq|aqlm|exl2|hqq|eetq|bnb-4bit|fp8)(?:$|[-_/.])")
+TRANSFORMERS_EVAL_BATCH = 8  # TrainingArguments.per_device_eval_batch_size default
+
+
+def native_targets(model_type: str, targets: Any) -> Any:
+    if targets == "all-linear":
+        return targets
+    names = NATIVE_LINEAR_NAMES.get(model_type, {})
+    return [names.get(t, t) for t in targets]
+
+
+def optimizer(name: str, where: str, reading: Reading) -> str:
+    """Our optimizer for a TrainingArguments ``optim`` value (AdamW when not modelled)."""
+    ours = optimizer_from_hf(name)
+    if ours is not None:
+        return ours
+    reading.assumptions.append(f"{where}: optim '{name}' is estimated as AdamW (fp32 states)")
+    return "adamw"
+
+
+def precision(d: dict[str, Any]) -> str:
+    if d.get("pure_bf16"):
+        return "pure-bf16"
+    if d.get("bf16") in (True, "true", "True", "auto"):
+        return "bf16"
+    return "fp16" if d.get("fp16") in (True, "true", "True") else "fp32"
+
+
+def eval_on(d: dict[str, Any]) -> bool:
+    strategy = d.get("eval_strategy", d.get("evaluation_strategy", "no"))
+    return bool(d.get("do_eval") or d.get("predict_with_generate")
+                or strategy not in ("no", None, "NO"))
+
+
+def grad_ckpt_key(d: dict[str, Any]) -> str:
+    """transformers 5.x also accepts activation_checkpointing for gradient_checkpointing."""
+    return "activation_checkpointing" if "activation_checkpointing" in d else \
+        "gradient_checkpointing"
+
+
+def pre_quantized_note(model: str | None, reading: Reading) -> None:
+    m = PRE_QUANTIZED.search(str(model or ""))
+    if m:
+        reading.assumptions.append(
+            f"'{model}' is a pre-quantized ({m.group(1).upper()}) checkpoint: its weights are "
+            "sized from the quantization_config of its config.json where the model loader "
+            "reads it, else as 16-bit (an upper bound)")
+
+
+# The knobs most formats write as one key each: knob -> its value in a RunConfig
+_ONE_KEY: dict[str, Callable[[RunConfig], Any]] = {
+    "micro": lambda c: c.micro_batch_size, "accum": lambda c: c.grad_accum,
+    "eval": lambda c: c.eval.batch_size, "grad_ckpt": lambda c: c.grad_ckpt,
+    "optim": lambda c: OPTIMIZERS[c.optimizer].hf_optim, "seq_len": lambda c: c.seq_len,
+    "lora_r": lambda c: c.lora.r, "packing": lambda c: c.data.packing,
+}
+
+
+def knob_edits(cfg: RunConfig, old: RunConfig, put: Callable[[str, Any], None],
+               keys: dict[str, str]) -> None:
+    """``put(file key, new value)`` for every knob of ``keys`` (knob -> the format's key)
+    whose value changed."""
+    for knob, key in keys.items():
+        new, was = _ONE_KEY[knob](cfg), _ONE_KEY[knob](old)
+        if new != was and (new is not None):
+            put(key, new)
+
+
+# TrainingArguments' names of the batch and optimizer knobs
+HF_KEYS = {"micro": "per_device_train_batch_size", "accum": "gradient_accumulation_steps",
+           "eval": "per_device_eval_batch_size", "optim": "optim"}
+
+
+def batch_edits(cfg: RunConfig, old: RunConfig, put: Callable[[str, Any], None], micro: str,
+                accum: str, ev: str | None) -> None:
+    keys = {"micro": micro, "accum": accum, **({"eval": ev} if ev else {})}
+    knob_edits(cfg, old, put, keys)
+
+
+def hf_eval(d: dict[str, Any], micro: int, new_tokens: int | None) -> dict[str, Any]:
+    """RunConfig.eval from TrainingArguments keys (empty when no evaluation runs)."""
+    if not eval_on(d):
+        return {}
+    out: dict[str, Any] = {"batch_size": d.get("per_device_eval_batch_size")
+                           or TRANSFORMERS_EVAL_BATCH}
+    if d.get("predict_with_generate") and new_tokens:
+        out.update({"predict_with_generate": True, "max_new_tokens": new_tokens})
+    return out
+
+
+def defaults_note(d: dict[str, Any], defaults: dict[str, Any], tool: str,
+                  reading: Reading) -> None:
+    missing = [f"{k} {v}" for k, v in defaults.items() if k not in d]
+    if missing:
+        reading.notes.append(f"not set, {tool}'s defaults: {', '.join(missing)}")

@@ -1,0 +1,198 @@
+"""TRL / alignment-handbook recipe YAML (``trl sft --config``, ``run_dpo.py recipe.yaml``)
+and accelerate config files (``accelerate launch --config_file``).
+
+A recipe holds TRL's ModelConfig (model_name_or_path, torch_dtype,
+attn_implementation, use_peft, lora_*, load_in_4bit) next to the trainer's
+config (SFTConfig, DPOConfig, ...: TrainingArguments plus max_length etc.).
+The stage comes from the keys only one trainer's config has (DPO: beta,
+max_prompt_length; KTO: desirable_weight; reward: center_rewards_coefficient),
+else from the file name. An accelerate config gives the processes, mixed
+precision and the DeepSpeed ZeRO stage / offload or FSDP sharding (FULL_SHARD
+is estimated as ZeRO-3, SHARD_GRAD_OP as ZeRO-2, fsdp_offload_params as
+parameter offload).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import RunConfig
+from .common import HF_KEYS, grad_ckpt_key, hf_eval, knob_edits, optimizer, precision
+from .sources import Reading, Source, check_keys, knob_set
+
+TRL_DEFAULT_MAX_LENGTH = 1024  # SFTConfig / DPOConfig max_length default (TRL ≥ 0.16)
+_ATTN = {"flash_attention_2": "flash", "flash_attention_3": "flash", "sdpa": "sdpa",
+         "eager": "eager"}
+_FSDP_ZERO = {"FULL_SHARD": 3, "HYBRID_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0,
+              "1": 3, "2": 2, "3": 0}
+
+
+def _stage(d: dict[str, Any], name: str, r: Reading) -> str:
+    keys = set(d)
+    lower = name.lower()
+    if {"desirable_weight", "undesirable_weight"} & keys or "kto" in lower:
+        return "kto"
+    if "center_rewards_coefficient" in keys or "reward" in lower:
+        return "rm"
+    if "num_generations" in keys or "grpo" in lower:
+        r.assumptions.append("GRPO (generation of num_generations completions per prompt) is "
+                             "not modelled: estimated as SFT over max_length tokens")
+        return "sft"
+    if "orpo" in lower:
+        return "orpo"
+    if "simpo" in lower or d.get("loss_type") == "simpo":
+        return "simpo"
+    if {"beta", "max_prompt_length", "precompute_ref_log_probs", "ref_model_init_kwargs"} & keys \
+            or "dpo" in lower:
+        return "dpo"
+    return "sft"
+
+
+def _length_key(d: dict[str, Any]) -> str:
+    return "max_seq_length" if "max_seq_length" in d or "max_length" not in d and \
+        "max_prompt_length" not in d and "beta" not in d else "max_length"
+
+
+def _method(d: dict[str, Any], run: dict[str, Any]) -> None:
+    if not d.get("use_peft"):
+        run["method"] = "full"
+        return
+    run["lora"] = {"r": d.get("lora_r", 16), "alpha": d.get("lora_alpha", 32),
+                   "dropout": d.get("lora_dropout", 0.05),
+                   "targets": d.get("lora_target_modules") or "all-linear"}
+    bits = 4 if d.get("load_in_4bit") else (8 if d.get("load_in_8bit") else None)
+    run["method"] = "qlora" if bits else "lora"
+    if bits:
+        run["quantization"] = {"bits": bits, "type": d.get("bnb_4bit_quant_type", "nf4"),
+                               "double_quant": bool(d.get("use_bnb_nested_quant", False))}
+
+
+def read_trl(src: Source, model: str | None) -> Reading:
+    r = Reading("trl", "TRL / alignment-handbook recipe", {"main": src}, {},
+                shardings=None)
+    check_keys(src, "trl", reading=r)
+    d = src.data
+    length_key = _length_key(d)
+    micro = d.get("per_device_train_batch_size", 8)
+    run: dict[str, Any] = {
+        "model": model or d.get("model_name_or_path"), "stack": "trl",
+        "stage": _stage(d, src.path.name, r), "precision": precision(d),
+        "optimizer": optimizer(str(d.get("optim", "adamw_torch")), src.where("optim"), r),
+        "micro_batch_size": micro, "grad_accum": d.get("gradient_accumulation_steps", 1),
+        "seq_len": d.get(length_key) or TRL_DEFAULT_MAX_LENGTH,
+        "grad_ckpt": bool(d.get(grad_ckpt_key(d))),
+        "attn": _ATTN.get(str(d.get("attn_implementation")),
+                          "flash" if d.get("use_flash_attention_2") else "sdpa"),
+        "zero": 0, "offload": "none", "eval": hf_eval(d, micro, None),
+    }
+    _method(d, run)
+    if run["method"] == "full" and d.get("torch_dtype") == "bfloat16" and run["precision"] == "bf16":
+        run["precision"] = "pure-bf16"
+        r.notes.append(f"{src.where('torch_dtype')}: a bf16 model trained without ZeRO keeps "
+                       "bf16 weights and AdamW states (no fp32 master copy): read as pure bf16")
+    if not d.get(length_key):
+        r.notes.append(f"{length_key} not set: TRL's default {TRL_DEFAULT_MAX_LENGTH} tokens")
+    r.facts.update(length_key=length_key, precompute_ref=bool(d.get("precompute_ref_log_probs")))
+    r.run = run
+    r.fixed = knob_set("grad_ckpt", "optimizer", "eval_batch", "lora", "quantization", "attn")
+    r.fixed.add("zero")
+    return r
+
+
+def trl_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
+              model_type: str) -> list[tuple[str, tuple, Any]]:
+    out: list[tuple[str, tuple, Any]] = []
+    put = lambda key, value: out.append(("main", (key,), value))  # noqa: E731
+    data = reading.sources["main"].data
+    knob_edits(cfg, old, put, {**HF_KEYS, "grad_ckpt": grad_ckpt_key(data), "lora_r": "lora_r"})
+    if cfg.lora.targets != old.lora.targets and cfg.lora.targets != "all-linear":
+        put("lora_target_modules", list(cfg.lora.targets))
+    if cfg.quantization.bits != old.quantization.bits and cfg.method == "qlora":
+        put("load_in_4bit", cfg.quantization.bits == 4)
+        put("load_in_8bit", cfg.quantization.bits == 8)
+    if cfg.attn != old.attn:
+        put("attn_implementation", {"flash": "flash_attention_2"}.get(cfg.attn, cfg.attn))
+    return out
+
+
+# ---- accelerate config -------------------------------------------------------------------
+def accelerate_sharding(d: dict[str, Any]) -> tuple[int, str, list[str]]:
+    """(ZeRO stage, offload, notes) of an accelerate config."""
+    kind = str(d.get("distributed_type", "NO")).upper()
+    if kind == "DEEPSPEED":
+        ds = d.get("deepspeed_config") or {}
+        stage = int(ds.get("zero_stage", 2))
+        offload = "none"
+        if str(ds.get("offload_optimizer_device", "none")) in ("cpu", "nvme"):
+            offload = "optimizer"
+        if stage == 3 and str(ds.get("offload_param_device", "none")) in ("cpu", "nvme"):
+            offload = "all"
+        return stage, offload, []
+    if kind == "FSDP":
+        fsdp = d.get("fsdp_config") or {}
+        strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
+        stage = _FSDP_ZERO.get(strategy, 3)
+        offload = "all" if fsdp.get("fsdp_offload_params") and stage == 3 else "none"
+        return stage, offload, [f"FSDP {strategy}{' with parameter offload' if offload != 'none' else ''}"
+                                f" is estimated as DeepSpeed ZeRO-{stage}"
+                                f"{' with parameter offload' if offload != 'none' else ''}"]
+    return 0, "none", []
+
+
+def apply_accelerate(src: Source, r: Reading) -> None:
+    """Read an accelerate config into a reading: processes, precision, sharding."""
+    check_keys(src, "accelerate", reading=r)
+    d = src.data
+    stage, offload, notes = accelerate_sharding(d)
+    r.assumptions += notes
+    r.run["zero"], r.run["offload"] = stage, offload
+    processes = int(d.get("num_processes") or 1)
+    machines = int(d.get("num_machines") or 1)
+    r.run["hardware"] = {"gpus_per_node": max(1, processes // machines), "nodes": machines}
+    mixed = str(d.get("mixed_precision", "no"))
+    if mixed in ("bf16", "fp16") and r.run.get("precision") == "fp32":
+        r.run["precision"] = mixed
+    if r.run.get("precision") == "pure-bf16" and stage:
+        r.run["precision"] = "bf16"
+    r.sources["accelerate"] = src
+    editable = str(d.get("distributed_type", "")).upper() == "DEEPSPEED"
+    r.fixed.discard("zero") if editable else r.fixed.add("zero")
+    r.shardings = tuple((z, o) for z in (1, 2, 3) for o in ("none", "optimizer", "all")
+                        if o != "all" or z == 3) if editable else None
+
+
+def read_accelerate(src: Source, model: str | None, method: str | None,
+                    seq_len: int | None) -> Reading:
+    r = Reading("accelerate", "accelerate config", {"main": src}, {})
+    if not model:
+        from ..errors import ConfigError
+
+        raise ConfigError("an accelerate config does not name the model: pass --model, or "
+                          "check it together with the training recipe (two files)")
+    r.run = {"model": model, "method": method or "full", "precision": "fp32",
+             "micro_batch_size": 8, "grad_accum": 1, "seq_len": seq_len or 2048,
+             "stack": "hf-trainer", "stage": "sft", "eval": {}}
+    r.notes.append("an accelerate config alone: TrainingArguments' defaults (batch 8, "
+                   "accumulation 1), --method (default full) and --seq-len (default 2048)")
+    apply_accelerate(src, r)
+    del r.sources["accelerate"]
+    r.facts["batch_not_in_file"] = True
+    r.fixed = knob_set("zero") if "zero" not in r.fixed else knob_set()
+    return r
+
+
+def accelerate_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
+                     model_type: str) -> list[tuple[str, tuple, Any]]:
+    role = "accelerate" if "accelerate" in reading.sources else "main"
+    src = reading.sources[role]
+    out: list[tuple[str, tuple, Any]] = []
+    if (cfg.zero, cfg.offload) != (old.zero, old.offload):
+        ds = ("deepspeed_config",)
+        out.append((role, ds + ("zero_stage",), cfg.zero))
+        out.append((role, ds + ("offload_optimizer_device",),
+                    "cpu" if cfg.offload in ("optimizer", "all") else "none"))
+        out.append((role, ds + ("offload_param_device",), "cpu" if cfg.offload == "all" else "none"))
+    accum = (src.data.get("deepspeed_config") or {}).get("gradient_accumulation_steps")
+    if isinstance(accum, int) and cfg.grad_accum != old.grad_accum:
+        out.append((role, ("deepspeed_config", "gradient_accumulation_steps"), cfg.grad_accum))
+    return out

@@ -1,0 +1,94 @@
+"""Human output of `oomless check`: what was read, the verdict, the fix. The diff is
+written raw to standard output (never through a wrapping renderer), so that
+`oomless check X > fix.patch; patch -p1 < fix.patch` applies it."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ..units import fmt_bytes
+from ._render_plan import _value, change_text
+
+
+def read_as(c: dict[str, Any]) -> str:
+    parts = [c["method"] + (f"-{c['quantization']['bits']}bit" if c["method"] == "qlora" else "")]
+    if c.get("stage", "sft") != "sft":
+        parts.append(f"stage {c['stage']}")
+    if c["method"] != "full":
+        parts.append(f"r{c['lora']['r']} {_value(c['lora']['targets'])}")
+    parts += [c["precision"], c["optimizer"],
+              f"micro batch {c['micro_batch_size']} × accumulation {c['grad_accum']} × "
+              f"{c['hardware']['gpus_per_node'] * c['hardware']['nodes']} GPU(s)",
+              f"{c['seq_len']} tokens", f"attn {c['attn']}"]
+    if c["grad_ckpt"]:
+        parts.append("checkpointing")
+    if c["zero"]:
+        parts.append(f"ZeRO-{c['zero']}" + (f" offload {c['offload']}" if c["offload"] != "none" else ""))
+    if c["eval"]["batch_size"]:
+        parts.append(f"eval batch {c['eval']['batch_size']}")
+    if c["eval"]["predict_with_generate"]:
+        parts.append(f"generation {c['eval']['max_new_tokens']} new tokens")
+    return " · ".join(parts)
+
+
+def _verdict(r: Any, out: Any) -> None:
+    if r.oom_phase:
+        out.print(f"[red]OUT OF MEMORY[/] in the {r.oom_phase} phase (the first above "
+                  f"{fmt_bytes(r.gpu_memory_bytes)}); peak {fmt_bytes(r.device_peak_bytes)} in "
+                  f"{r.peak_phase}.")
+    elif not r.within_budget:
+        out.print(f"[yellow]TIGHT[/]: fits the GPU but not the headroom: "
+                  f"{fmt_bytes(r.device_peak_bytes)} in {r.peak_phase}, budget "
+                  f"{fmt_bytes(r.budget_bytes)} — a longer batch or another process on the GPU "
+                  "runs out of memory.")
+    else:
+        out.print(f"[green]FITS[/]: {fmt_bytes(r.device_peak_bytes)} in {r.peak_phase}, "
+                  f"{fmt_bytes(r.gpu_memory_bytes - r.device_peak_bytes)} free.")
+
+
+def render_check(r: Any, done: list[str] = ()) -> None:  # type: ignore[assignment]
+    from rich.markup import escape
+
+    from ._render import console
+
+    out = console()
+    out.soft_wrap = True  # long lines stay whole: paths, keys and numbers are copied from here
+    out.print(f"[bold]{r.label}[/] {', '.join(r.files)} · {r.model} on {r.hardware}", soft_wrap=True)
+    for warning in r.warnings:
+        out.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
+    out.print(f"read as: {read_as(r.config)}", soft_wrap=True)
+    phases = ", ".join(
+        f"{p} {fmt_bytes(v)}" + (" [red]✗[/]" if v > r.gpu_memory_bytes else "")
+        for p, v in r.phase_device_bytes.items())
+    out.print(f"predicted per GPU (nvidia-smi): {phases}; GPU {fmt_bytes(r.gpu_memory_bytes)}, "
+              f"budget {fmt_bytes(r.budget_bytes)}", soft_wrap=True)
+    _verdict(r, out)
+    if r.fix:
+        f = r.fix
+        changes = "; ".join(change_text(ch) for ch in f["changes"])
+        out.print(f"smallest change that fits (same effective batch): {changes} — predicted "
+                  f"{fmt_bytes(f['device_peak_bytes'])} ({f['peak_phase']}) of "
+                  f"{fmt_bytes(f['budget_bytes'])}, {f['speed']['tokens_per_s']:,.0f} tokens/s",
+                  soft_wrap=True)
+        sys.stdout.flush()
+        for diff in r.diffs.values():
+            sys.stdout.write(diff)
+        sys.stdout.flush()
+    elif not r.within_budget:
+        out.print("no change this file can express fits; run `oomless plan` for other "
+                  "methods, GPUs or sharding")
+    for line in r.refused:
+        out.print(f"[dim]not proposed: {escape(line)}[/]", soft_wrap=True, highlight=False)
+    for line in done:
+        out.print(escape(line), soft_wrap=True)
+    for note in r.notes:
+        out.print(f"[dim]note: {escape(note)}[/]", soft_wrap=True, highlight=False)
+    for a in r.assumptions[:len(r.assumptions) - _planner_assumptions()]:
+        out.print(f"[dim]assumption: {escape(a)}[/]", soft_wrap=True, highlight=False)
+
+
+def _planner_assumptions() -> int:
+    from ..planner.speed import ASSUMPTIONS
+
+    return len(ASSUMPTIONS)

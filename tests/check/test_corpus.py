@@ -1,0 +1,155 @@
+"""Every real configuration in tests/fixtures/real_configs is read by `oomless check`
+(exit 0 or 1, never 2), and every fix it prints applies with `patch -p1` from the
+redirected output and re-checks as fitting within the headroom.
+
+Where the catalog has no entry for the file's model, the run passes ``--model``
+with a catalog model of the same architecture, as a user would (the reading of
+the file's own model name is checked separately).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from oomless.check.checker import CheckOptions, check, read_files
+from oomless.cli import main
+
+CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "real_configs"
+LLAMA3 = "llama-3.1-8b-instruct"  # Meta-Llama-3-8B(-Instruct): the same shapes, RoPE aside
+JSON_ALONE = {"model": "qwen2.5-7b-instruct", "seq_len": 2048}
+
+# file -> (--gpu, other options)
+FILES: dict[str, tuple[str, dict]] = {
+    "alignment-handbook/deepspeed_zero3.yaml": ("a100-80gb", JSON_ALONE),
+    "alignment-handbook/dpo_config_full.yaml": ("a100-80gb x8", {"model": "mistral-7b-v0.1"}),
+    "alignment-handbook/dpo_config_qlora.yaml": ("a100-80gb", {"model": "mistral-7b-v0.1"}),
+    "alignment-handbook/fsdp.yaml": ("a100-80gb", JSON_ALONE),
+    "alignment-handbook/sft_config_full.yaml": ("a100-80gb x8", {}),
+    "alignment-handbook/sft_config_qlora.yaml": ("rtx-4090", {}),
+    "axolotl/bigstral-ds-zero3.yaml": ("a100-80gb x8", {"model": "mixtral-8x7b-v0.1"}),
+    "axolotl/dpo.yaml": ("rtx-4090", {}),
+    "axolotl/instruct-dpo-lora-8b.yml": ("a100-80gb", {"model": LLAMA3}),
+    "axolotl/lora-8b.yml": ("a100-80gb", {"model": LLAMA3}),
+    "axolotl/mistral_qlora.yml": ("rtx-4090", {}),
+    "axolotl/qlora-fsdp-70b.yaml": ("rtx-4090 x2", {"model": "llama-3.1-70b-instruct"}),
+    "axolotl/qlora.yml": ("rtx-4090", {"model": LLAMA3}),
+    "axolotl/zero3_bf16_cpuoffload_all.json": ("a100-80gb x8", JSON_ALONE),
+    "glm-4/ds_zero_2.json": ("a100-80gb x8", JSON_ALONE),
+    "glm-4/ds_zero_3.json": ("a100-80gb x8", JSON_ALONE),
+    "glm-4/finetune_demo_lora.yaml": ("rtx-4090", {"model": "glm-4-9b-chat"}),
+    "glm-4/finetune_demo_sft.yaml": ("a100-80gb x8", {"model": "glm-4-9b-chat"}),
+    "glm-4/finetune_lora.yaml": ("a100-80gb x8", {"model": "glm-4-9b-chat"}),
+    "glm-4/finetune_sft.yaml": ("a100-80gb x8", {"model": "glm-4-9b-chat"}),
+    "glm-4/ptuning_v2.yaml": ("rtx-4090", {"model": "glm-4-9b-chat"}),
+    **{f"llama-factory/{name}": ("rtx-4090", {"model": LLAMA3}) for name in (
+        "llama3_lora_sft.yaml", "llama3_lora_dpo.yaml", "llama3_lora_kto.yaml",
+        "llama3_lora_ppo.yaml", "llama3_lora_reward.yaml", "llama3_lora_pretrain.yaml",
+        "llama3_lora_sft_aqlm.yaml", "llama3_lora_sft_awq.yaml", "llama3_lora_sft_gptq.yaml",
+        "llama3_lora_sft_otfq.yaml", "loraplus_llama3_lora_sft.yaml",
+        "pissa_llama3_lora_sft.yaml", "llama3_freeze_sft.yaml")},
+    **{f"llama-factory/{name}": ("a100-80gb x8", {"model": LLAMA3}) for name in (
+        "train_full_llama3_full_sft.yaml", "llama3_lora_sft_ds3.yaml",
+        "mod_llama3_full_sft.yaml", "fsdp_qlora_llama3_lora_sft.yaml")},
+    **{f"llama-factory/{name}": ("a100-80gb", {"model": LLAMA3}) for name in (
+        "apollo_llama3_full_sft.yaml", "badam_llama3_full_sft.yaml",  # layer-wise: one GPU
+        "galore_llama3_full_sft.yaml")},
+    "llama-factory/qwen2vl_lora_sft.yaml": ("a100-80gb", {"model": "qwen2.5-vl-7b-instruct"}),
+    "llama-factory/qwen2vl_full_sft.yaml": ("a100-80gb x8", {"model": "qwen2.5-vl-7b-instruct"}),
+    "llama-factory/qwen3_lora_sft.yaml": ("rtx-4090", {"model": "qwen3-4b"}),
+    "llama-factory/qwen3_full_sft.yaml": ("a100-80gb x8", {"model": "qwen3-4b"}),
+    "llama-factory/ds_z2_config.json": ("a100-80gb x8", JSON_ALONE),
+    "llama-factory/ds_z3_config.json": ("a100-80gb x8", JSON_ALONE),
+    "llama-factory/ds_z3_offload_config.json": ("a100-80gb x8", JSON_ALONE),
+    "llama-factory/fsdp_config.yaml": ("a100-80gb", JSON_ALONE),
+    "llava/finetune.sh": ("a100-80gb x8", {"model": "llama-2-13b"}),  # Vicuna-13B v1.5
+    "llava/finetune_lora.sh": ("a100-80gb x8", {"model": "llama-2-13b"}),
+    "llava/zero2.json": ("a100-80gb x8", JSON_ALONE),
+    "llava/zero3.json": ("a100-80gb x8", JSON_ALONE),
+    "llava/zero3_offload.json": ("a100-80gb x8", JSON_ALONE),
+    "moe-llava/phi2_finetune_moe.sh": ("a100-40gb x8", {}),
+    "moe-llava/pretrain.sh": ("a100-40gb x8", {"model": "moe-llava-phi2-2.7b-4e"}),
+    "moe-llava/qwen_finetune_moe.sh": ("a100-40gb x8", {"model": "moe-llava-phi2-2.7b-4e"}),
+    "moe-llava/stablelm_finetune_moe.sh": ("a100-40gb x8", {"model": "moe-llava-phi2-2.7b-4e"}),
+    "moe-llava/zero2_offload.json": ("a100-40gb x8", JSON_ALONE),
+    "moe-llava/zero3.json": ("a100-40gb x8", JSON_ALONE),
+    "moe-llava/zero3_offload.json": ("a100-40gb x8", JSON_ALONE),
+    "trl/deepspeed_zero2.yaml": ("a100-80gb", JSON_ALONE),
+    "trl/deepspeed_zero3.yaml": ("a100-80gb", JSON_ALONE),
+    "trl/example_config.yaml": ("rtx-4090", {}),
+    "trl/fsdp_qlora.yaml": ("a100-80gb", {**JSON_ALONE, "method": "qlora"}),
+    "weclone/ds_config.json": ("rtx-4090 x2", JSON_ALONE),
+    "weclone/mllm.template.jsonc": ("a100-80gb", {}),
+    "weclone/settings.json": ("rtx-4090", {}),
+    "weclone/settings.template.jsonc": ("rtx-4090", {}),
+}
+# A configuration with the launch configuration it is run with
+PAIRS: dict[tuple[str, str], tuple[str, dict]] = {
+    ("alignment-handbook/sft_config_full.yaml", "alignment-handbook/deepspeed_zero3.yaml"):
+        ("a100-80gb", {}),
+    ("alignment-handbook/dpo_config_full.yaml", "alignment-handbook/fsdp.yaml"):
+        ("a100-80gb", {"model": "mistral-7b-v0.1"}),
+    ("trl/example_config.yaml", "trl/deepspeed_zero3.yaml"): ("rtx-4090", {}),
+    ("trl/example_config.yaml", "trl/deepspeed_zero2.yaml"): ("rtx-4090", {}),
+    ("llama-factory/fsdp_qlora_llama3_lora_sft.yaml", "llama-factory/fsdp_config.yaml"):
+        ("rtx-4090", {"model": LLAMA3}),
+}
+CASES = {**{(k,): v for k, v in FILES.items()}, **PAIRS}
+
+
+def test_every_corpus_file_is_listed():
+    files = {str(p.relative_to(CORPUS)) for p in CORPUS.glob("*/*") if p.name != "README.md"}
+    assert files == set(FILES)
+    assert len(files) >= 40
+
+
+def _copy(tmp_path: Path, names: tuple[str, ...]) -> list[Path]:
+    """The files' folders (companions: DeepSpeed JSONs) copied, the files' new paths."""
+    for folder in {n.split("/")[0] for n in names}:
+        shutil.copytree(CORPUS / folder, tmp_path / folder, dirs_exist_ok=True)
+    return [tmp_path / n for n in names]
+
+
+@pytest.mark.parametrize("names", sorted(CASES), ids=lambda n: "+".join(n))
+def test_corpus_file_is_read_and_its_fix_applies(names, tmp_path, monkeypatch, capsys):
+    gpu, extra = CASES[names]
+    paths = _copy(tmp_path, names)
+    monkeypatch.chdir(tmp_path)
+    argv = ["check", *map(str, paths), "--gpu", gpu]
+    for key, value in extra.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    rc = main(argv)
+    out = capsys.readouterr()
+    assert rc in (0, 1), out.err
+    opts = CheckOptions(files=tuple(map(str, paths)), gpu=gpu, **extra)
+    result = check(opts)
+    assert rc == result.exit_code
+    if not result.diffs:
+        assert rc == 0 or result.fix is None
+        return
+    patch = tmp_path / "fix.patch"
+    patch.write_text(out.out)  # what `oomless check X > fix.patch` writes
+    applied = subprocess.run(["patch", "-p1", "--batch", "-i", str(patch)], cwd=tmp_path,
+                             capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    after = check(opts)
+    assert after.within_budget and after.exit_code == 0, (result.fix["changes"], after.notes)
+
+
+@pytest.mark.parametrize("name,model", [
+    ("llama-factory/llama3_lora_sft.yaml", "meta-llama/Meta-Llama-3-8B-Instruct"),
+    ("llama-factory/llama3_lora_sft_gptq.yaml", "TechxGenus/Meta-Llama-3-8B-Instruct-GPTQ"),
+    ("axolotl/bigstral-ds-zero3.yaml", "mistral-community/Mixtral-8x22B-v0.1"),
+    ("alignment-handbook/dpo_config_full.yaml", "alignment-handbook/zephyr-7b-sft-full"),
+    ("llava/finetune.sh", "lmsys/vicuna-13b-v1.5"),
+    ("weclone/settings.json", "./Qwen2.5-7B-Instruct"),
+])
+def test_the_files_own_model_is_read(name, model):
+    assert read_files(CheckOptions(files=(str(CORPUS / name),))).run["model"] == model
+
+
+needs_patch = pytest.mark.skipif(shutil.which("patch") is None, reason="patch(1) not installed")
+pytestmark = needs_patch
