@@ -96,3 +96,14 @@ def test_truncated_after_the_request_keeps_it(name, extra):
 def test_mid_line_message_without_an_exception_class(name, before):
     found = _numbers(f"step {len(before)} {before} failed: {_message(name)}\n")
     assert [n for _r, n in found] == [ORIGINAL[name][0][1]]
+
+
+def test_a_cut_right_after_the_device_word_keeps_each_rank_once():
+    """The rest of rank 0's line starts with 'out of memory' (no device word): it is
+    dated at its own line, not at the line break before it, so rank 1 is not read twice."""
+    a = f"[rank0]: torch.OutOfMemoryError: {_message('seed002_torch2.log')}"
+    b = f"[rank1]: torch.OutOfMemoryError: {_message('seed002_torch1.log')}"
+    cut = a.index("CUDA ") + len("CUDA ")
+    found = sorted(_numbers(f"step 3\n{a[:cut]}{b}\n{a[cut:]}\n"), key=lambda rn: rn[0])
+    assert found == [(0, ORIGINAL["seed002_torch2.log"][0][1]),
+                     (1, ORIGINAL["seed002_torch1.log"][0][1])]

@@ -124,7 +124,10 @@ Fields = tuple[str, str, dict]  # (kind, source, OomEvent keyword arguments)
 
 def _oom_event(log: LogText, match: re.Match[str], fields: Fields) -> OomEvent:
     kind, source, extra = fields
-    index = log.line_index(match.start())
+    text = match.group(0)
+    # the line where the message's text starts (a pattern may begin with whitespace,
+    # e.g. the line break before an "out of memory" that lost its device word)
+    index = log.line_index(match.start() + len(text) - len(text.lstrip()))
     return OomEvent(kind=kind, source=source, line=index + 1, message=squeeze(match.group(0)),
                     rank=log.rank_at(index), **extra)
 
