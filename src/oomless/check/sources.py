@@ -22,7 +22,7 @@ from ..planner.candidates import KNOBS
 from . import foreign_keys as K
 
 # Keys older transformers accepted (renamed since); read with a note, not refused.
-LEGACY_TRAINING_KEYS = {"evaluation_strategy": "eval_strategy",
+LEGACY_TRAINING_KEYS = {"evaluation_strategy": "eval_strategy", "warmup_ratio": "warmup_steps",
                         "no_cuda": "use_cpu", "overwrite_output_dir": None,
                         "logging_dir": None}
 GLM_TOP_KEYS = {"data_config", "max_input_length", "max_output_length", "combine", "freezeV",
