@@ -1,7 +1,8 @@
 """The web server of ``oomless ui``: one page and a JSON endpoint per tab.
 
-Starlette routes and uvicorn serve (the ``ui`` extra). The page (static/) draws
-with plotly.js, served from the installed plotly package, so it works offline.
+Starlette routes and uvicorn serve (the ``ui`` extra). The page (static/) is
+self-contained — its charts are plain SVG — so it works offline; the Runs tab
+shows the report `oomless report` writes, which carries plotly.js inline.
 Each POST /api/NAME takes a JSON object and answers the JSON of service.py's
 function, or {"error": message} with status 400 for a user mistake (the same
 message the CLI prints) and 500 for a fault (the details go to the server's log,
@@ -14,14 +15,12 @@ The server answers only requests addressed to the host it listens on
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import socket
 import threading
 from collections.abc import Callable
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -29,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import OomlessError
@@ -39,21 +38,9 @@ LOG = logging.getLogger("oomless.ui")
 MAX_BODY_BYTES = 4 * service.MAX_UPLOAD_CHARS  # UTF-8: at most 4 bytes a character
 _JS = "text/javascript; charset=utf-8"
 _STATIC = {"index.html": "text/html; charset=utf-8", "style.css": "text/css; charset=utf-8",
-           "common.js": _JS, "estimate.js": _JS, "tabs.js": _JS}
+           "common.js": _JS, "chart.js": _JS, "estimate.js": _JS, "tabs.js": _JS}
 _HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
             "Cache-Control": "no-store"}
-
-
-def plotly_js_path() -> Path:
-    """plotly.min.js of the installed plotly package (found without importing plotly)."""
-    spec = importlib.util.find_spec("plotly")
-    if spec is None or not spec.submodule_search_locations:
-        raise OomlessError("`oomless ui` draws with plotly, which is not installed; "
-                           "install it with: pip install 'oomless[ui]'")
-    path = Path(list(spec.submodule_search_locations)[0]) / "package_data" / "plotly.min.js"
-    if not path.is_file():
-        raise OomlessError(f"plotly is installed but {path} is missing; reinstall plotly")
-    return path
 
 
 def _static(name: str) -> bytes:
@@ -89,7 +76,6 @@ def _endpoint(ws: service.Workspace, call: Callable[..., dict[str, Any]], takes_
 def create_app(ws: service.Workspace, host: str = "127.0.0.1") -> Starlette:
     """The Starlette application; ``host``: the address it listens on."""
     pages = {name: _static(name) for name in _STATIC}
-    plotly_js = plotly_js_path()
     choices: dict[str, Any] = {}  # built on the first request (the catalogs)
 
     async def page(request: Request) -> Response:
@@ -97,10 +83,6 @@ def create_app(ws: service.Workspace, host: str = "127.0.0.1") -> Starlette:
         if name not in pages:
             return Response("not found", 404)
         return Response(pages[name], media_type=_STATIC[name], headers=_HEADERS)
-
-    async def plotly(request: Request) -> Response:
-        return FileResponse(plotly_js, media_type="text/javascript",
-                            headers={"Cache-Control": "max-age=86400"})
 
     async def get_choices(request: Request) -> Response:
         if not choices:
@@ -111,7 +93,7 @@ def create_app(ws: service.Workspace, host: str = "127.0.0.1") -> Starlette:
         return Response(status_code=204)
 
     routes = [
-        Route("/", page), Route("/favicon.ico", no_icon), Route("/static/plotly.min.js", plotly),
+        Route("/", page), Route("/favicon.ico", no_icon),
         Route("/static/{name}", page), Route("/api/choices", get_choices),
         Route("/api/estimate", _endpoint(ws, service.estimate_view), methods=["POST"]),
         Route("/api/effects", _endpoint(ws, service.knob_effects), methods=["POST"]),

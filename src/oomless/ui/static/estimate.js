@@ -63,9 +63,11 @@ async function runEstimate() {
   const req = estimateRequest();
   try {
     const data = await api("/api/estimate", req);
+    const answered = performance.now();
     showError("est-error", null);
     await renderEstimate(data);
     ui.lastUpdateMs = performance.now() - started;
+    ui.lastFetchMs = answered - started;
     $("est-timing").textContent = `updated in ${ui.lastUpdateMs.toFixed(0)} ms`;
     clearTimeout(state.effectsTimer);
     ui.effectsBusy = true;
@@ -81,61 +83,25 @@ async function runEstimate() {
   }
 }
 
-function estimateTraces(data) {
-  const x = data.phases.map((p) => p.phase);
-  const traces = data.group_order
-    .filter((g) => data.phases.some((p) => p.groups[g] > 0))
-    .map((g) => ({
-      type: "bar", name: g, x, y: data.phases.map((p) => p.groups[g] / GiB),
-      marker: { color: COLORS[g] || "#999" },
-      text: data.phases.map((p) => p.members[g].map(([n, b]) => `${n}: ${fmtBytes(b)}`)
-        .join("<br>")),
-      hovertemplate: `<b>${g}</b> %{y:.2f} GiB<br>%{text}<extra>%{x}</extra>`,
-      textposition: "none",
-    }));
+function estimateChart(data) {
   const v = data.verdict;
-  if (data.gpu_memory_bytes) {  // the dashed line's entry in the legend (drawn as a shape)
-    traces.push({ type: "scatter", mode: "lines", x: [null], y: [null], hoverinfo: "skip",
-      name: `GPU memory ${fmtBytes(data.gpu_memory_bytes)}`,
-      line: { color: "#c62828", dash: "dash", width: 2 } });
-  }
-  if (v.low_bytes !== null && v.high_bytes !== null && v.low_bytes !== undefined) {
-    traces.push({ type: "scatter", mode: "markers", name: "band", showlegend: false,
-      x: [data.peak_phase], y: [data.device_peak_bytes / GiB], marker: { size: 1, color: "#000" },
-      error_y: { type: "data", symmetric: false, color: "#000", thickness: 2, width: 14,
-        array: [(v.high_bytes - data.device_peak_bytes) / GiB],
-        arrayminus: [(data.device_peak_bytes - v.low_bytes) / GiB] },
-      hovertemplate: `band ${fmtBytes(v.low_bytes)} – ${fmtBytes(v.high_bytes)}<extra></extra>` });
-  }
-  return traces;
-}
-
-function estimateLayout(data) {
-  const shapes = [];
-  const high = data.verdict.high_bytes || 0;  // the band's top: the label goes above it
-  const annotations = data.phases.map((p) => ({
-    x: p.phase, text: fmtBytes(p.total_bytes), showarrow: false, yanchor: "bottom",
-    y: (p.phase === data.peak_phase ? Math.max(p.total_bytes, high) : p.total_bytes) / GiB,
-    font: { size: 12 } }));
-  if (data.gpu_memory_bytes) {
-    const y = data.gpu_memory_bytes / GiB;
-    shapes.push({ type: "line", xref: "paper", x0: 0, x1: 1, y0: y, y1: y,
-      line: { color: "#c62828", width: 2, dash: "dash" } });
-  }
-  const top = Math.max(...data.phases.map((p) => p.total_bytes), data.gpu_memory_bytes || 0,
-    data.verdict.high_bytes || 0) / GiB;
-  return { barmode: "stack", margin: { l: 60, r: 20, t: 30, b: 40 },
-    yaxis: { title: { text: "GiB per GPU (nvidia-smi)" }, range: [0, top * 1.12] },
-    legend: { orientation: "h", y: 1.1, traceorder: "normal" }, shapes, annotations,
-    paper_bgcolor: "#fff", plot_bgcolor: "#fff", transition: { duration: 0 } };
+  const groups = data.group_order.map((g) => ({ name: g, color: COLORS[g] || "#999",
+    values: data.phases.map((p) => p.groups[g]),
+    notes: data.phases.map((p) => p.members[g].map(([n, b]) => `${n}: ${fmtBytes(b)}`)
+      .join("\n")) }));
+  const hasBand = v.low_bytes !== null && v.high_bytes !== null && v.low_bytes !== undefined;
+  return { categories: data.phases.map((p) => p.phase), groups,
+    totals: data.phases.map((p) => p.total_bytes), yTitle: "GiB per GPU (nvidia-smi)",
+    lines: data.gpu_memory_bytes ? [{ bytes: data.gpu_memory_bytes, color: "#c62828",
+      dash: "7 5", label: `GPU memory ${fmtBytes(data.gpu_memory_bytes)}` }] : [],
+    band: hasBand ? { category: data.peak_phase, low: v.low_bytes, high: v.high_bytes } : null };
 }
 
 async function renderEstimate(data) {
   ui.lastEstimate = data;
   const v = data.verdict;
   setVerdict("verdict", v.state, v.text, bandText(v));
-  await Plotly.react("est-chart", estimateTraces(data), estimateLayout(data),
-    { displayModeBar: false, responsive: true });
+  drawBars($("est-chart"), estimateChart(data));
   const numbers = [
     ["device peak (nvidia-smi)", data.text.device_peak_bytes],
     ["peak reserved", data.text.peak_reserved_bytes],

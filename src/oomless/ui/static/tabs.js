@@ -69,21 +69,17 @@ function renderCheck(r) {
   setVerdict("check-verdict", r.state, r.text, null);
   $("check-read").textContent = `${r.label} ${r.files.join(", ")} · ${r.model} on ` +
     `${r.hardware} · read as: ${r.read_as}`;
-  const y = r.phases.map((p) => p.phase);
-  Plotly.react("check-chart", [{ type: "bar", orientation: "h", y, x: r.phases.map((p) =>
-    p.device_bytes / GiB), text: r.phases.map((p) => p.text), textposition: "auto",
-    marker: { color: r.phases.map((p) => (p.over ? "#c62828" : "#4c6ef5")) },
-    hovertemplate: "%{y}: %{text}<extra></extra>" }],
-  { margin: { l: 90, r: 20, t: 30, b: 40 }, xaxis: { title: { text: "GiB per GPU (nvidia-smi)" } },
-    yaxis: { autorange: "reversed" },
-    shapes: [r.gpu_memory_bytes, r.budget_bytes].map((b, i) => ({ type: "line", yref: "paper",
-      y0: 0, y1: 1, x0: b / GiB, x1: b / GiB,
-      line: { color: i ? "#b7791f" : "#c62828", dash: i ? "dot" : "dash", width: 2 } })),
-    annotations: [[r.gpu_memory_bytes, "GPU", "left", "#c62828"],
-      [r.budget_bytes, "budget", "right", "#b7791f"]].map(([b, label, side, color]) => ({
-      x: b / GiB, yref: "paper", y: 1, yanchor: "bottom", xanchor: side, showarrow: false,
-      text: `${label} ${fmtBytes(b)}`, font: { color, size: 12 } })),
-    paper_bgcolor: "#fff", plot_bgcolor: "#fff" }, { displayModeBar: false, responsive: true });
+  const over = r.phases.map((p) => p.over);
+  const bytes = r.phases.map((p) => p.device_bytes);
+  drawBars($("check-chart"), { categories: r.phases.map((p) => p.phase),
+    totals: bytes, yTitle: "GiB per GPU (nvidia-smi)", band: null,
+    groups: [["fits the GPU", "#4c6ef5", false], ["above the GPU", "#c62828", true]].map(
+      ([name, color, isOver]) => ({ name, color, notes: r.phases.map((p) => p.text),
+        values: bytes.map((b, i) => (over[i] === isOver ? b : 0)) })),
+    lines: [{ bytes: r.gpu_memory_bytes, color: "#c62828", dash: "7 5",
+      label: `GPU ${fmtBytes(r.gpu_memory_bytes)}` },
+    { bytes: r.budget_bytes, color: "#b7791f", dash: "2 4",
+      label: `budget ${fmtBytes(r.budget_bytes)} (headroom kept free)` }] });
   const fix = [];
   if (r.fix) {
     fix.push(el("p", {}, el("b", {}, "Smallest change that fits (same effective batch): "),
@@ -147,7 +143,7 @@ function switchTab(name) {
     b.classList.toggle("active", b.dataset.tab === name);
   }
   for (const t of document.querySelectorAll(".tab")) t.classList.toggle("active", t.id === `tab-${name}`);
-  window.dispatchEvent(new Event("resize"));  // plotly charts drawn while hidden
+  redrawCharts();  // a chart drawn while its tab was hidden has no width
 }
 
 async function start() {
