@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import OOM_LOG
+from conftest import FIXTURES, OOM_LOG, start_server, stop_server, ui_extra_installed
 
 from oomless.ui import service
 
@@ -82,6 +82,25 @@ def test_refuses_other_hosts_and_non_json_posts(server_url):
     assert status == 400 and b"not valid JSON" in body
     status, _body = post(f"{server_url}api/diagnose", [OOM_LOG.read_text()])
     assert status == 400
+
+
+def test_uploads_are_removed_when_the_server_stops():
+    import tempfile
+    from pathlib import Path
+
+    if not ui_extra_installed():
+        pytest.skip("the ui extra is not installed")
+    folders = set(Path(tempfile.gettempdir()).glob(".oomless-ui.*"))
+    proc, url, _seconds = start_server()
+    try:
+        upload = {"name": "glm", "text": (FIXTURES / "configs" / "glm-4-9b-chat" /
+                                          "config.json").read_text()}
+        status, _body = post(f"{url}api/estimate", {"model_config": upload, "gpu": "t4"})
+        assert status == 200
+        assert set(Path(tempfile.gettempdir()).glob(".oomless-ui.*")) - folders
+    finally:
+        assert "Traceback" not in stop_server(proc)  # SIGTERM: a graceful stop
+    assert set(Path(tempfile.gettempdir()).glob(".oomless-ui.*")) == folders
 
 
 def test_listens_on_this_machine_only_by_default(server_url):

@@ -15,6 +15,7 @@ The server answers only requests addressed to the host it listens on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -47,8 +48,9 @@ def _static(name: str) -> bytes:
     return resources.files("oomless.ui").joinpath("static", name).read_bytes()
 
 
-def _endpoint(ws: service.Workspace, call: Callable[..., dict[str, Any]], takes_ws: bool = True):
+def _endpoint(call: Callable[..., dict[str, Any]], takes_ws: bool = True):
     async def endpoint(request: Request) -> Response:
+        ws = request.app.state.workspace
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             return JSONResponse({"error": "send the request as application/json"}, 415)
         if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
@@ -73,7 +75,18 @@ def _endpoint(ws: service.Workspace, call: Callable[..., dict[str, Any]], takes_
     return endpoint
 
 
-def create_app(ws: service.Workspace, host: str = "127.0.0.1") -> Starlette:
+@contextlib.asynccontextmanager
+async def _workspace(app: Starlette):
+    """The uploads' folder lives while the server serves: removed at shutdown (Ctrl+C,
+    SIGTERM), which uvicorn runs before it ends the process."""
+    app.state.workspace = service.Workspace()
+    try:
+        yield
+    finally:
+        app.state.workspace.close()
+
+
+def create_app(host: str = "127.0.0.1") -> Starlette:
     """The Starlette application; ``host``: the address it listens on."""
     pages = {name: _static(name) for name in _STATIC}
     choices: dict[str, Any] = {}  # built on the first request (the catalogs)
@@ -95,17 +108,16 @@ def create_app(ws: service.Workspace, host: str = "127.0.0.1") -> Starlette:
     routes = [
         Route("/", page), Route("/favicon.ico", no_icon),
         Route("/static/{name}", page), Route("/api/choices", get_choices),
-        Route("/api/estimate", _endpoint(ws, service.estimate_view), methods=["POST"]),
-        Route("/api/effects", _endpoint(ws, service.knob_effects), methods=["POST"]),
-        Route("/api/plan", _endpoint(ws, service.plan_view), methods=["POST"]),
-        Route("/api/check", _endpoint(ws, service.check_view), methods=["POST"]),
-        Route("/api/diagnose", _endpoint(ws, service.diagnose_view), methods=["POST"]),
-        Route("/api/report", _endpoint(ws, service.report_view, takes_ws=False),
-              methods=["POST"]),
+        Route("/api/estimate", _endpoint(service.estimate_view), methods=["POST"]),
+        Route("/api/effects", _endpoint(service.knob_effects), methods=["POST"]),
+        Route("/api/plan", _endpoint(service.plan_view), methods=["POST"]),
+        Route("/api/check", _endpoint(service.check_view), methods=["POST"]),
+        Route("/api/diagnose", _endpoint(service.diagnose_view), methods=["POST"]),
+        Route("/api/report", _endpoint(service.report_view, takes_ws=False), methods=["POST"]),
     ]
     allowed = ["*"] if host in ("0.0.0.0", "::", "") else sorted(
         {host, "127.0.0.1", "localhost", "[::1]"})
-    return Starlette(routes=routes,
+    return Starlette(routes=routes, lifespan=_workspace,
                      middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed)])
 
 
@@ -128,16 +140,10 @@ def serve(host: str, port: int, announce: Callable[[str], None] = print) -> None
     """Serve until interrupted; ``announce`` gets the page's address once it listens."""
     import uvicorn
 
-    ws = service.Workspace()
-    try:
-        app = create_app(ws, host)
-        sock = bind(host, port)
-        shown = f"[{host}]" if ":" in host else host
-        url = f"http://{shown}:{sock.getsockname()[1]}/"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
-        server = uvicorn.Server(config)
-        announce(url)
-        threading.Thread(target=service.warm_up, name="oomless-ui-warm-up", daemon=True).start()
-        server.run(sockets=[sock])
-    finally:
-        ws.close()
+    app = create_app(host)
+    sock = bind(host, port)
+    shown = f"[{host}]" if ":" in host else host
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    announce(f"http://{shown}:{sock.getsockname()[1]}/")
+    threading.Thread(target=service.warm_up, name="oomless-ui-warm-up", daemon=True).start()
+    uvicorn.Server(config).run(sockets=[sock])
