@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LF_YAML, OOM_LOG
+from conftest import FIXTURES, LF_YAML, OOM_LOG
 
 from oomless.diagnose import diagnose_text
 from oomless.ui import service
@@ -157,6 +157,25 @@ def test_moving_the_batch_slider_changes_the_bar_and_the_verdict(browser, server
     halve.click()  # applying a row moves the knob
     settled(browser)
     assert browser.find_element("id", "batch_size-out").text == "6"
+
+
+def test_an_uploaded_config_json_is_the_model_estimated(browser, server_url, workspace):
+    config = FIXTURES / "configs" / "glm-4-9b-chat" / "config.json"
+    open_page(browser, server_url)
+    browser.find_element("css selector", "#model-upload summary").click()
+    browser.find_element("id", "model-file").send_keys(str(config))
+    wait_for(lambda: browser.find_element("id", "model-json").get_attribute("value"),
+             what="the file read into the box")
+    browser.find_element("id", "model-use").click()
+    settled(browser)
+    assert "config.json: glm-4-9b-chat" in browser.find_element("id", "model-own").text
+    shown = browser.execute_script("return window.oomlessUI.lastEstimate")
+    request = {**service.page_defaults(),
+               "model_config": {"name": "glm-4-9b-chat", "text": config.read_text()}}
+    request.pop("model")
+    expected = service.estimate_view(workspace, request)
+    assert shown["model"] == "glm-4-9b-chat"
+    assert shown["device_peak_bytes"] == expected["device_peak_bytes"]
 
 
 def test_a_tight_verdict_and_its_band_have_their_place(browser, server_url):
