@@ -33,18 +33,15 @@ def _require_ui_extra() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
+    if not 0 <= args.port <= 65535:
+        from ..errors import ConfigError
 
+        raise ConfigError(f"--port {args.port}: expected 0 to 65535")
     _require_ui_extra()
     from ..ui.app import serve
 
     def announce(url: str) -> None:
         print(f"oomless ui: {url} (Ctrl+C stops it)", flush=True)
 
-    if not 0 <= args.port <= 65535:
-        from ..errors import ConfigError
-
-        raise ConfigError(f"--port {args.port}: expected 0 to 65535")
     serve(args.host, args.port, announce)
-    sys.stdout.flush()
     return 0
