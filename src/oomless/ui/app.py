@@ -1,0 +1,149 @@
+"""The web server of ``oomless ui``: one page and a JSON endpoint per tab.
+
+Starlette routes and uvicorn serve (the ``ui`` extra). The page (static/) is
+self-contained — its charts are plain SVG — so it works offline; the Runs tab
+shows the report `oomless report` writes, which carries plotly.js inline.
+Each POST /api/NAME takes a JSON object and answers the JSON of service.py's
+function, or {"error": message} with status 400 for a user mistake (the same
+message the CLI prints) and 500 for a fault (the details go to the server's log,
+never to the page).
+
+The server answers only requests addressed to the host it listens on
+(a page elsewhere cannot reach it through DNS rebinding) and only JSON POSTs
+(a form on another site cannot post to it without the browser asking first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..errors import OomlessError
+from . import service
+
+LOG = logging.getLogger("oomless.ui")
+MAX_BODY_BYTES = 4 * service.MAX_UPLOAD_CHARS  # UTF-8: at most 4 bytes a character
+_JS = "text/javascript; charset=utf-8"
+_STATIC = {"index.html": "text/html; charset=utf-8", "style.css": "text/css; charset=utf-8",
+           "common.js": _JS, "chart.js": _JS, "estimate.js": _JS, "tabs.js": _JS}
+_HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+            "Cache-Control": "no-store"}
+
+
+def _static(name: str) -> bytes:
+    return resources.files("oomless.ui").joinpath("static", name).read_bytes()
+
+
+def _endpoint(call: Callable[..., dict[str, Any]], takes_ws: bool = True):
+    async def endpoint(request: Request) -> Response:
+        ws = request.app.state.workspace
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            return JSONResponse({"error": "send the request as application/json"}, 415)
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            return JSONResponse({"error": "the request is too large"}, 413)
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return JSONResponse({"error": "the request is not valid JSON"}, 400)
+        if not isinstance(body, dict):
+            return JSONResponse({"error": "the request must be a JSON object"}, 400)
+        try:
+            result = await run_in_threadpool(call, ws, body) if takes_ws else \
+                await run_in_threadpool(call, body)
+        except OomlessError as err:
+            return JSONResponse({"error": str(err)}, 400, headers=_HEADERS)
+        except Exception:  # a fault of ours: log it, show no traceback in the page
+            LOG.exception("oomless ui: %s failed", request.url.path)
+            return JSONResponse({"error": f"internal error in {request.url.path}; the "
+                                 "server's log has the details (please report it)"}, 500)
+        return JSONResponse(result, headers=_HEADERS)
+
+    return endpoint
+
+
+@contextlib.asynccontextmanager
+async def _workspace(app: Starlette):
+    """The uploads' folder lives while the server serves: removed at shutdown (Ctrl+C,
+    SIGTERM), which uvicorn runs before it ends the process."""
+    app.state.workspace = service.Workspace()
+    try:
+        yield
+    finally:
+        app.state.workspace.close()
+
+
+def create_app(host: str = "127.0.0.1") -> Starlette:
+    """The Starlette application; ``host``: the address it listens on."""
+    pages = {name: _static(name) for name in _STATIC}
+    choices: dict[str, Any] = {}  # built on the first request (the catalogs)
+
+    async def page(request: Request) -> Response:
+        name = request.path_params.get("name", "index.html")
+        if name not in pages:
+            return Response("not found", 404)
+        return Response(pages[name], media_type=_STATIC[name], headers=_HEADERS)
+
+    async def get_choices(request: Request) -> Response:
+        if not choices:
+            choices.update(await run_in_threadpool(service.choices))
+        return JSONResponse(choices, headers=_HEADERS)
+
+    async def no_icon(request: Request) -> Response:
+        return Response(status_code=204)
+
+    routes = [
+        Route("/", page), Route("/favicon.ico", no_icon),
+        Route("/static/{name}", page), Route("/api/choices", get_choices),
+        Route("/api/estimate", _endpoint(service.estimate_view), methods=["POST"]),
+        Route("/api/effects", _endpoint(service.knob_effects), methods=["POST"]),
+        Route("/api/plan", _endpoint(service.plan_view), methods=["POST"]),
+        Route("/api/check", _endpoint(service.check_view), methods=["POST"]),
+        Route("/api/diagnose", _endpoint(service.diagnose_view), methods=["POST"]),
+        Route("/api/report", _endpoint(service.report_view, takes_ws=False), methods=["POST"]),
+    ]
+    allowed = ["*"] if host in ("0.0.0.0", "::", "") else sorted(
+        {host, "127.0.0.1", "localhost", "[::1]"})
+    return Starlette(routes=routes, lifespan=_workspace,
+                     middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed)])
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket; a port in use is a user error, not a traceback."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise OomlessError(f"cannot listen on {host}:{port}: {err.strerror}; pass another "
+                           "--port (or --port 0 for any free one)") from None
+    sock.listen(128)
+    return sock
+
+
+def serve(host: str, port: int, announce: Callable[[str], None] = print) -> None:
+    """Serve until interrupted; ``announce`` gets the page's address once it listens."""
+    import uvicorn
+
+    app = create_app(host)
+    sock = bind(host, port)
+    shown = f"[{host}]" if ":" in host else host
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+    announce(f"http://{shown}:{sock.getsockname()[1]}/")
+    threading.Thread(target=service.warm_up, name="oomless-ui-warm-up", daemon=True).start()
+    uvicorn.Server(config).run(sockets=[sock])

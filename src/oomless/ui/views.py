@@ -1,0 +1,226 @@
+"""What the page shows, shaped from the library's JSON forms (``to_dict()``).
+
+Pure functions of plain values: service.py calls the library and hands over
+the same dictionaries ``--json`` prints; nothing here computes memory. Byte
+quantities stay integers (for the charts) and come with their text, formatted
+as the command line formats them.
+"""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any, get_args
+
+from ..config import Precision
+from ..knobs import ATTENTIONS, METHODS, OPTIMIZERS
+from ..units import fmt_bytes
+
+# The `oomless estimate` options the page sets (cli/_options.py), with their types.
+ESTIMATE_FLAGS: dict[str, type] = {
+    "method": str, "precision": str, "optim": str, "quant": str, "batch_size": int,
+    "grad_accum": int, "seq_len": int, "grad_ckpt": bool, "attn": str, "lora_r": int,
+    "lora_dropout": float, "lora_targets": str, "zero": int, "offload": str, "nodes": int,
+    "host_ram_gb": float, "eval_batch_size": int, "max_new_tokens": int, "images": int,
+}
+
+# The stacked bar's groups: the estimate's categories (result.py) in the words of the
+# issue tracker and the calculators people know; a category not listed is "other".
+GROUPS: dict[str, tuple[str, ...]] = {
+    "weights": ("weights", "lora_adapters", "zero3_gathered"),
+    "gradients": ("gradients", "grad_partition_fp32", "ddp_buckets"),
+    "optimizer": ("optimizer", "master_weights"),
+    "activations": ("activations", "kv_cache"),
+    "logits": ("logits",),
+    "overheads": ("cublas_workspace", "temporaries"),
+}
+GROUP_ORDER = (*GROUPS, "other")
+_GROUP_OF = {category: group for group, members in GROUPS.items() for category in members}
+
+
+def _labels() -> dict[str, str]:
+    from ..cli._render import _LABELS  # the CLI's names of the categories
+
+    return _LABELS
+
+
+def _phase_bar(phase: str, parts: dict[str, int], device_bytes: int | None,
+               non_pytorch: dict[str, int]) -> dict[str, Any]:
+    """One phase: bytes per group, and the categories inside each group."""
+    labels = _labels()
+    groups = dict.fromkeys(GROUP_ORDER, 0)
+    members: dict[str, list[list[Any]]] = {g: [] for g in GROUP_ORDER}
+    for category, n_bytes in parts.items():
+        group = _GROUP_OF.get(category, "other")
+        groups[group] += n_bytes
+        members[group].append([labels.get(category, category.replace("_", " ")), n_bytes])
+    allocated = sum(parts.values())
+    if device_bytes is not None:  # nvidia-smi view: allocator reserve + non-PyTorch memory
+        outside = sum(non_pytorch.values())
+        groups["overheads"] += device_bytes - allocated
+        members["overheads"].append(["allocator reserve", device_bytes - allocated - outside])
+        members["overheads"] += [[name.replace("_", " "), b] for name, b in non_pytorch.items()]
+    return {"phase": phase, "allocated_bytes": allocated,
+            "total_bytes": device_bytes if device_bytes is not None else allocated,
+            "groups": groups, "members": members}
+
+
+def estimate_payload(est: dict[str, Any], device: dict[str, int] | None,
+                     verdict: dict[str, Any], command: str) -> dict[str, Any]:
+    """The Estimate tab: stacked phases, the peak, the verdict and its band."""
+    phases = [_phase_bar(p, parts, device.get(p) if device else None, est["non_pytorch_bytes"])
+              for p, parts in est["breakdown"].items()]
+    cfg = est["config"]
+    return {
+        "model": est["model"], "param_count": est["param_count"],
+        "trainable_params": est["trainable_params"], "phases": phases,
+        "group_order": list(GROUP_ORDER), "peak_phase": est["peak_phase"],
+        "peak_allocated_bytes": est["peak_allocated_bytes"],
+        "peak_reserved_bytes": est["peak_reserved_bytes"],
+        "device_peak_bytes": est["device_peak_bytes"], "gpu": est["gpu"],
+        "gpu_memory_bytes": est["gpu_memory_bytes"], "host_ram_bytes": est["host_ram_bytes"],
+        "verdict": verdict, "assumptions": est["assumptions"], "command": command,
+        "effective_batch": cfg["micro_batch_size"] * cfg["grad_accum"]
+        * cfg["hardware"]["gpus_per_node"] * cfg["hardware"]["nodes"],
+        "text": {k: fmt_bytes(est[k]) for k in (
+            "peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes")},
+    }
+
+
+def command_line(request: dict[str, Any], model: str) -> str:
+    """The `oomless estimate` command that gives the same estimate."""
+    shown = "./config.json" if request.get("model_config") else model
+    words = ["oomless", "estimate", shown]
+    for flag, kind in ESTIMATE_FLAGS.items():
+        value = request.get(flag)
+        if value in (None, ""):
+            continue
+        option = "--" + flag.replace("_", "-")
+        if kind is bool:
+            words.append(option if value else f"--no-{flag.replace('_', '-')}")
+        else:
+            words += [option, str(value)]
+    if request.get("gpu"):
+        count = int(request.get("gpus") or 1)
+        words += ["--gpu", request["gpu"] + (f" x{count}" if count > 1 else "")]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def knob_alternatives(request: dict[str, Any], cfg: dict[str, Any]) -> list[tuple]:
+    """(knob, from, to, page change) for one other value of every knob."""
+    out: list[tuple] = []
+
+    def add(label: str, old: Any, new: Any, flag: str) -> None:
+        if new != old:
+            out.append((label, old, new, {flag: new}))
+
+    mb, seq = cfg["micro_batch_size"], cfg["seq_len"]
+    for value in (mb * 2, mb // 2):
+        if value >= 1:
+            add("micro batch", mb, value, "batch_size")
+    for value in (seq * 2, seq // 2):
+        if value >= 64:
+            add("sequence length", seq, value, "seq_len")
+    add("gradient checkpointing", cfg["grad_ckpt"], not cfg["grad_ckpt"], "grad_ckpt")
+    for name in ATTENTIONS:
+        add("attention", cfg["attn"], name, "attn")
+    for name in METHODS:
+        add("method", cfg["method"], name, "method")
+    for name in get_args(Precision):
+        add("precision", cfg["precision"], name, "precision")
+    for name in OPTIMIZERS:
+        add("optimizer", cfg["optimizer"], name, "optim")
+    if cfg["method"] != "full":
+        r = cfg["lora"]["r"]
+        for value in (r * 2, r // 2):
+            if value >= 1:
+                add("LoRA rank", r, value, "lora_r")
+    for stage in (0, 1, 2, 3):
+        add("ZeRO stage", cfg["zero"], stage, "zero")
+    for name in ("none", "optimizer", "all"):
+        add("offload", cfg["offload"], name, "offload")
+    gpus = cfg["hardware"]["gpus_per_node"]
+    if request.get("gpu"):
+        add("GPUs", gpus, gpus * 2, "gpus")
+    return out
+
+
+def _on_off(value: Any) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def effect_row(knob: tuple, peak_bytes: int, verdict: dict[str, Any],
+               base_bytes: int) -> dict[str, Any]:
+    label, old, new, change = knob
+    delta = peak_bytes - base_bytes
+    return {"knob": label, "from": _on_off(old), "to": _on_off(new), "change": change,
+            "device_peak_bytes": peak_bytes, "delta_bytes": delta,
+            "text": fmt_bytes(peak_bytes),
+            "delta_text": ("+" if delta > 0 else "±" if delta == 0 else "") + fmt_bytes(delta),
+            "state": verdict["state"]}
+
+
+def plan_row(plan: dict[str, Any], changes: list[str], read_as: str,
+             step_text: str) -> dict[str, Any]:
+    """One plan that fits: memory, speed, what changed and its knobs."""
+    return {"family": plan["family"], "device_peak_bytes": plan["device_peak_bytes"],
+            "budget_bytes": plan["budget_bytes"], "peak_phase": plan["peak_phase"],
+            "tokens_per_s": plan["speed"]["tokens_per_s"], "step": step_text,
+            "changes": changes, "tradeoffs": plan["tradeoffs"], "read_as": read_as,
+            "config": plan["config"],
+            "text": f"{fmt_bytes(plan['device_peak_bytes'])} of "
+                    f"{fmt_bytes(plan['budget_bytes'])} ({plan['peak_phase']})"}
+
+
+def check_payload(result: dict[str, Any], folder: str, fix_changes: list[str],
+                  read_as: str) -> dict[str, Any]:
+    """The Check tab: per-phase bytes, the verdict, and the fix as a diff."""
+    gpu = result["gpu_memory_bytes"]
+    if result["oom_phase"]:
+        state = "out-of-memory"
+        text = (f"OUT OF MEMORY in the {result['oom_phase']} phase (the first above "
+                f"{fmt_bytes(gpu)}); peak {fmt_bytes(result['device_peak_bytes'])} in "
+                f"{result['peak_phase']}.")
+    elif not result["within_budget"]:
+        state = "tight"
+        text = (f"FITS, but with less than the headroom: "
+                f"{fmt_bytes(result['device_peak_bytes'])} in {result['peak_phase']}.")
+    else:
+        state = "fits"
+        text = (f"FITS: {fmt_bytes(result['device_peak_bytes'])} in {result['peak_phase']}, "
+                f"{fmt_bytes(gpu - result['device_peak_bytes'])} free.")
+    fix = result["fix"]
+    names = [f.removeprefix(folder) for f in result["files"]]
+    return {
+        "label": result["label"], "files": names, "model": result["model"],
+        "hardware": result["hardware"], "read_as": read_as,
+        "phases": [{"phase": p, "device_bytes": b, "text": fmt_bytes(b), "over": b > gpu}
+                   for p, b in result["phase_device_bytes"].items()],
+        "gpu_memory_bytes": gpu, "budget_bytes": result["budget_bytes"],
+        "state": state, "text": text,
+        "fix": None if not fix else {
+            "changes": fix_changes, "device_peak_bytes": fix["device_peak_bytes"],
+            "text": f"predicted {fmt_bytes(fix['device_peak_bytes'])} ({fix['peak_phase']}) "
+                    f"of {fmt_bytes(fix['budget_bytes'])}, "
+                    f"{fix['speed']['tokens_per_s']:,.0f} tokens/s"},
+        "diff": "".join(result["diffs"].values()),
+        "diff_name": (names[0].rsplit(".", 1)[0] if names else "fix") + ".oomless.diff",
+        "no_fix": not fix and not result["within_budget"],
+        "notes": [n.replace(folder, "") for n in result["notes"]],
+        "assumptions": result["assumptions"],
+    }
+
+
+def diagnosis_payload(diagnosis: dict[str, Any], headings: list[tuple[str, str]]) -> dict:
+    """The Diagnose tab: every event with its numbers, causes and fixes."""
+    events = []
+    for finding, (title, numbers) in zip(diagnosis["events"], headings, strict=True):
+        e = finding["event"]
+        events.append({
+            "title": title, "numbers": numbers, "line": e["line"], "message": e["message"],
+            "causes": [{"title": c["title"], "evidence": c["evidence"]}
+                       for c in finding["causes"]],
+            "fixes": [{"text": f["summary"], "keeps_training": f["keeps_training"],
+                       "fits": f["fits"]} for f in finding["fixes"]],
+        })
+    return {"found": diagnosis["found"], "summary": diagnosis["summary"], "events": events,
+            "notes": diagnosis["notes"], "gpu": diagnosis["gpu"]}
