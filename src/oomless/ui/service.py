@@ -257,7 +257,8 @@ def knob_effects(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
 # ---- plan ------------------------------------------------------------------
 def plan_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
     """`oomless plan`: the top configurations and, for each, the files `plan --out` writes."""
-    from ..cli._render_plan import _read_as, change_text, fmt_duration, miss_text
+    from ..cli._render_check import read_as
+    from ..cli._render_plan import change_text, fmt_duration, miss_text
     from ..planner import PlanOptions, plan, request_from_options
 
     with ws.clean_errors():
@@ -273,7 +274,7 @@ def plan_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
         result = plan(spec, req)
         files = [plan_files(ws, p.run_config(), spec, req.cluster) for p in result.plans]
     plans = [views.plan_row(p.to_dict(), [change_text(c) for c in p.changes],
-                            _read_as(p.config), fmt_duration(p.speed["step_s"])) | {"files": f}
+                            read_as(p.config), fmt_duration(p.speed["step_s"])) | {"files": f}
              for p, f in zip(result.plans, files, strict=True)]
     return {"model": result.model, "hardware": result.hardware,
             "effective_batch": result.effective_batch, "budget_bytes": result.budget_bytes,
@@ -303,7 +304,8 @@ def plan_files(ws: Workspace, cfg: RunConfig, spec, cluster) -> dict[str, str]:
 def check_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
     """`oomless check` of one uploaded file (or a DeepSpeed + TrainingArguments pair)."""
     from ..check.checker import CheckOptions, check
-    from ..cli._render_plan import _read_as, change_text
+    from ..cli._render_check import read_as
+    from ..cli._render_plan import change_text
 
     uploads = request.get("files") or []
     if not isinstance(uploads, list) or not 1 <= len(uploads) <= 2:
@@ -327,7 +329,7 @@ def check_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(folder, ignore_errors=True)
     fix_changes = [change_text(c) for c in result.fix["changes"]] if result.fix else []
     return views.check_payload(result.to_dict(), f"{folder}/", fix_changes,
-                               _read_as(result.config))
+                               read_as(result.config))
 
 
 def _pasted_name(text: str) -> str:
