@@ -53,7 +53,7 @@ def load_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
 
 
-def hf_trainer(model_dir, out, rows, cls=None, eval_rows=None, **overrides):
+def hf_trainer(model_dir, out, rows, cls=None, eval_rows=None, args_cls=None, **overrides):
     """A transformers Trainer (or ``cls``) on the tiny model, its collator recording."""
     from transformers import DataCollatorForSeq2Seq, Trainer
 
@@ -61,7 +61,8 @@ def hf_trainer(model_dir, out, rows, cls=None, eval_rows=None, **overrides):
 
     tok = load_tokenizer(str(model_dir))
     collator = RecordingCollator(DataCollatorForSeq2Seq(tok, padding=True))
-    trainer = (cls or Trainer)(model=load_model(model_dir), args=training_args(out, **overrides),
+    args = training_args(out, cls=args_cls, **overrides)
+    trainer = (cls or Trainer)(model=load_model(model_dir), args=args,
                                train_dataset=rows, eval_dataset=eval_rows,
                                data_collator=collator, processing_class=tok)
     return trainer, collator
