@@ -73,6 +73,7 @@ _oomless_chain()
 
 def write_shim(folder: Path) -> Path:
     """The folder to put first on PYTHONPATH (it holds sitecustomize.py)."""
+    folder.mkdir(parents=True, exist_ok=True)
     write_atomic(folder / "sitecustomize.py", SHIM)
     return folder
 

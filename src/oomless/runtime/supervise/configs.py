@@ -144,6 +144,7 @@ def check_view(view: ConfigView, gpu: str | None, folder: Path) -> Any:
         return None
     if view.check_text is not None:
         path = folder / "training_args.json"
+        folder.mkdir(parents=True, exist_ok=True)
         write_atomic(path, view.check_text)
         view.check_files = (str(path),)
     if "x" not in gpu.lower() and "*" not in gpu and view.command.nproc > 1:
@@ -232,6 +233,7 @@ def _copy(src: Source, text: str, folder: Path) -> Path:
     dest = folder / src.path.name
     if dest.resolve() == src.path.resolve():
         raise ConfigError(f"refusing to write over '{src.path}': give --run-dir elsewhere")
+    folder.mkdir(parents=True, exist_ok=True)
     write_atomic(dest, text)
     return dest
 
