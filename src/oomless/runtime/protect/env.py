@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
-from ...config import InjectOOM
 from ...errors import ConfigError
 
 RUN_DIR_ENV = "OOMLESS_RUN_DIR"
@@ -58,8 +58,10 @@ def _int_field(text: str, what: str, spec: str) -> int:
     return value
 
 
-def parse_inject(text: str) -> list[InjectOOM]:
+def parse_inject(text: str) -> list[Any]:
     """``train:3:1:2,eval:1`` → InjectOOM specs (the training loop's own type)."""
+    from ...config import InjectOOM  # pydantic: loaded only when there is something to parse
+
     out = []
     for spec in filter(None, (s.strip() for s in text.split(","))):
         parts = spec.split(":")
@@ -82,14 +84,14 @@ def parse_inject(text: str) -> list[InjectOOM]:
 
 
 def inject_specs(environ: Mapping[str, str] | None = None,
-                 text: str | None = None) -> list[InjectOOM]:
+                 text: str | None = None) -> list[Any]:
     """The injection for this process: ``text`` or the environment's, first launch only."""
     env = os.environ if environ is None else environ
     if text is None:
         text = env.get(INJECT_ENV, "")
         if int(env.get(ATTEMPT_ENV, "1") or 1) > 1:
             return []
-    return parse_inject(text)
+    return parse_inject(text) if text else []
 
 
 def budget_gb(environ: Mapping[str, str] | None = None, value: float | None = None) -> float | None:

@@ -181,7 +181,8 @@ def _divisor_at_most(total: int, limit: int) -> int:
 
 
 def choose_change(view: ConfigView, diagnosis: Any, events: list[dict]) -> Change | None:
-    """The smallest change that keeps the effective batch, for the OOM that ended a run."""
+    """The smallest change that keeps the effective batch, for the OOM that ended a run
+    (evaluation or training: the protected Trainer's events, else diagnose's causes)."""
     cfg = view.cfg
     if cfg is None:
         return None
@@ -202,11 +203,9 @@ def choose_change(view: ConfigView, diagnosis: Any, events: list[dict]) -> Chang
             return None
         return Change({"grad_ckpt": True}, "gradient checkpointing on (micro batch already 1)",
                       "train")
+    # the smallest change: half the micro batch, or less where the protected Trainer
+    # already found in-process that less was needed
     limits = [micro // 2] + [e["micro_batch_after"] for e in ooms if e.get("micro_batch_after")]
-    for finding in diagnosis.findings:
-        for fix in finding.fixes:
-            if fix.code == "micro_batch" and fix.changes.get("micro_batch_size"):
-                limits.append(fix.changes["micro_batch_size"])
     new = _divisor_at_most(per_gpu, min(limits))
     return Change({"micro_batch_size": new, "grad_accum": per_gpu // new},
                   f"micro batch {micro} -> {new}, accumulation {cfg.grad_accum} -> "

@@ -251,7 +251,7 @@ class Supervisor:
             return False
         self.event("oom_died", f"attempt {attempt} died of an out-of-memory error (exit code "
                    f"{rc})", attempt=attempt, returncode=rc,
-                   findings=[f.to_dict()["causes"][:1] for f in diagnosis.findings[:3]])
+                   causes=[c.code for f in diagnosis.findings[:3] for c in f.causes[:1]])
         change = choose_change(self.view, diagnosis, events)
         if change is None:
             self.event("no_fix", "no change that keeps the effective batch is left (micro batch "
