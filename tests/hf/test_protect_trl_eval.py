@@ -53,6 +53,54 @@ def test_trl_sft_trainer_oom_keeps_the_training(tiny_model_dir, rows, tmp_path):
     assert hit.model.is_gradient_checkpointing  # micro batch 1 ran out of memory too
 
 
+def _dpo(tiny_model_dir, out, inject=None):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from oomless.dataset.records import load_tokenizer
+    from oomless.runtime.tiny import demo_data_path
+
+    records = [json.loads(line) for line in demo_data_path().read_text().splitlines()][:48]
+    pairs = [{"prompt": r["instruction"][:60], "chosen": r["output"][:40],
+              "rejected": records[(i + 1) % len(records)]["output"][:40]}
+             for i, r in enumerate(records)]
+    args = DPOConfig(output_dir=str(out), per_device_train_batch_size=4,
+                     gradient_accumulation_steps=2, max_steps=3, learning_rate=5e-3,
+                     lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                     report_to=[], use_cpu=True, seed=7, disable_tqdm=True, bf16=False,
+                     max_length=64)
+    trainer = DPOTrainer(model=load_model(tiny_model_dir), ref_model=load_model(tiny_model_dir),
+                         args=args, train_dataset=Dataset.from_list(pairs),
+                         processing_class=load_tokenizer(str(tiny_model_dir)))
+    protect(trainer, inject=inject)
+    trainer.train()
+    return trainer
+
+
+def test_trl_dpo_trainer_splits_pairs_and_weighs_them(tiny_model_dir, tmp_path):
+    """DPO batches hold the chosen rows, then the rejected rows, and the loss is a mean over
+    pairs (not normalised by num_items_in_batch): chunks keep pairs and weigh by pairs."""
+    plain = _dpo(tiny_model_dir, tmp_path / "plain")
+    hit = _dpo(tiny_model_dir, tmp_path / "oom", inject="train:2:0:2")
+    ooms = read_events(tmp_path / "oom" / "oomless", "oom")
+    assert [(e["micro_batch_after"], e["unit"], e["weighting"]) for e in ooms] == [
+        (2, "pairs", "mean over rows"), (1, "pairs", "mean over rows")]
+    assert_same_weights(weights(plain.model), weights(hit.model))
+
+
+def test_pair_chunks_keep_each_pairs_rows_together():
+    from oomless.runtime.protect.batch import Layout, row_chunks
+
+    ids = torch.arange(8).reshape(8, 1)  # pairs (0, 4), (1, 5), (2, 6), (3, 7)
+    batch = {"input_ids": ids, "ref_chosen_logps": torch.arange(4.0), "flag": True}
+    chunks = row_chunks(batch, 8, 1, 2, Layout(pairs=True, weight="rows"))
+    assert [n for n, _ in chunks] == [2, 1]
+    assert chunks[0][1]["input_ids"].flatten().tolist() == [1, 2, 5, 6]
+    assert chunks[0][1]["ref_chosen_logps"].tolist() == [1.0, 2.0]
+    assert chunks[1][1]["input_ids"].flatten().tolist() == [3, 7]
+    assert chunks[1][1]["flag"] is True
+
+
 @pytest.fixture(scope="module")
 def eval_rows(rows):
     return rows[:24]

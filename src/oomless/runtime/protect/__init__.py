@@ -75,6 +75,7 @@ def install(trainer: Any, *, preflight: str | None = None, gpu: str | None = Non
         return trainer
     from ..train.memlog import RunLog
     from ..train.oom import FaultInjector
+    from .batch import layout_of
     from .callback import make_callback
     from .context import ProtectContext, engine_kind
     from .evaluate import EvalGuard
@@ -88,7 +89,7 @@ def install(trainer: Any, *, preflight: str | None = None, gpu: str | None = Non
         log=RunLog(folder, enabled=dist.is_main, resume=True),
         supervised=bool(os.environ.get(RUN_DIR_ENV)) and run_dir is None,
         injector=FaultInjector(inject_specs(text=inject), dist.rank),
-        budget_gb=budget_gb(value=memory_budget_gb),
+        budget_gb=budget_gb(value=memory_budget_gb), layout=layout_of(trainer),
         enabled=os.environ.get(PROTECT_ENV, "1") != "0")
     setattr(trainer, _ATTR, ctx)
     if ctx.enabled:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 IGNORE_INDEX = -100  # transformers' label padding (CrossEntropyLoss ignore_index)
@@ -31,29 +32,72 @@ def batch_rows(inputs: Any) -> int | None:
     return int(first.shape[0])
 
 
-def row_chunks(inputs: Mapping, rows: int, start: int, size: int) -> list[tuple[int, Any]]:
-    """(row count, chunk) for rows ``start..rows`` in pieces of ``size`` (the whole batch
-    itself, uncopied, when one piece covers it)."""
+@dataclass(frozen=True)
+class Layout:
+    """How a trainer's batch is cut and its chunks weighed.
+
+    ``pairs``: rows 0..B-1 are the chosen and rows B..2B-1 the rejected answers of B
+    pairs (LLaMA-Factory's pairwise collator), so a chunk takes pair i's two rows.
+    ``weight``: what the trainer's (unscaled) loss is a mean over: "tokens" (label
+    tokens, transformers' causal-LM loss) or "rows" (samples or pairs: preference losses).
+    """
+
+    pairs: bool = False
+    weight: str = "tokens"
+
+    def units(self, rows: int) -> int:
+        return rows // 2 if self.pairs else rows
+
+
+# Preference trainers whose batch holds B chosen rows then B rejected rows and whose loss
+# is the mean over the B pairs: TRL's DPOTrainer ("batch is [chosen, rejected]",
+# per_sequence_loss.mean(), trl/trainer/dpo_trainer.py 1.16) and LLaMA-Factory's
+# CustomDPOTrainer (PairwiseDataCollatorWithPadding; all_logps.split(batch_size) and
+# losses.mean(), src/llamafactory/train/dpo/trainer.py).
+_PAIR_MEAN_MODULES = ("trl.trainer.dpo_trainer", "llamafactory.train.dpo")
+
+
+def layout_of(trainer: Any) -> Layout:
+    modules = [c.__module__ for c in type(trainer).__mro__]
+    if any(m.startswith(_PAIR_MEAN_MODULES) for m in modules):
+        return Layout(pairs=True, weight="rows")
+    return Layout()
+
+
+def row_chunks(inputs: Mapping, rows: int, start: int, size: int,
+               layout: Layout = Layout()) -> list[tuple[int, Any]]:
+    """(units, chunk) for units ``start..`` in pieces of ``size`` units — rows, or pairs of
+    rows in the pairwise layout — (the whole batch itself, uncopied, when one piece covers it)."""
     import torch
 
-    if start == 0 and size >= rows:
-        return [(rows, inputs)]
+    units = layout.units(rows)
+    if start == 0 and size >= units:
+        return [(units, inputs)]
     out = []
-    for lo in range(start, rows, size):
-        hi = min(rows, lo + size)
+    for lo in range(start, units, size):
+        hi = min(units, lo + size)
         chunk = copy.copy(inputs)
         for key, value in inputs.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if value.shape[0] == rows:
+                chunk[key] = (torch.cat([value[lo:hi], value[units + lo:units + hi]])
+                              if layout.pairs else value[lo:hi])
+            elif layout.pairs and value.shape[0] == units:  # one value per pair
                 chunk[key] = value[lo:hi]
         out.append((hi - lo, chunk))
     return out
 
 
-def loss_items(inputs: Mapping, rows: int, shifts_labels: bool) -> int:
-    """What a mean loss averages over: label tokens that count (after the causal
-    shift when the model's loss shifts), else rows."""
+def loss_items(inputs: Mapping, units: int, shifts_labels: bool,
+               layout: Layout = Layout()) -> int:
+    """What a mean loss averages over: the units (rows or pairs) for a per-sample mean,
+    else the label tokens that count (after the causal shift when the model's loss
+    shifts), else the units."""
     import torch
 
+    if layout.weight == "rows":
+        return units
     labels = inputs.get("shift_labels")
     if not isinstance(labels, torch.Tensor):
         labels = inputs.get("labels")
@@ -61,7 +105,7 @@ def loss_items(inputs: Mapping, rows: int, shifts_labels: bool) -> int:
             labels = labels[..., 1:]
     if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
         return int(labels.ne(IGNORE_INDEX).sum())
-    return rows
+    return units
 
 
 # ---- joining prediction_step outputs ------------------------------------------------

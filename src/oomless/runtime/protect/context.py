@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..train.dist import Dist
+from .batch import Layout
 from ..train.memlog import RunLog
 from ..train.oom import FaultInjector
 
@@ -46,6 +47,7 @@ class ProtectContext:
     kind: str
     injector: FaultInjector
     budget_gb: float | None = None
+    layout: Layout = field(default_factory=Layout)
     enabled: bool = True  # False: OOMLESS_PROTECT=0, logging only
     supervised: bool = False  # started by `oomless run`: its run folder, appended to
     chunk_rows: int | None = None  # training rows per forward after an OOM (None: whole batch)

@@ -47,6 +47,7 @@ class EvalGuard:
         c = self.ctx
         c.eval_batch += 1
         rows = batch_rows(inputs)
+        rows = None if rows is None else c.layout.units(rows)
         while True:
             try:
                 c.injector.check("eval", c.eval_round, c.eval_batch, c.eval_batch + 1)
@@ -55,14 +56,14 @@ class EvalGuard:
             except self.oom_types as err:
                 self._recover(err, rows)
 
-    def _run(self, model: Any, inputs: Any, rows: int | None, args: tuple, gen: dict) -> Any:
-        size = self.ctx.eval_rows
-        if rows is None or size is None or size >= rows:
+    def _run(self, model: Any, inputs: Any, units: int | None, args: tuple, gen: dict) -> Any:
+        size, layout = self.ctx.eval_rows, self.ctx.layout
+        if units is None or size is None or size >= units:
             return self.original(model, inputs, *args, **gen)
-        chunks = row_chunks(inputs, rows, 0, size)
+        chunks = row_chunks(inputs, batch_rows(inputs), 0, size, layout)
         outs = [self.original(model, chunk, *args, **gen) for _n, chunk in chunks]
         shifts = getattr(self.ctx.trainer, "_loss_shifts_labels", True)
-        weights = [loss_items(chunk, n, shifts) for n, chunk in chunks]
+        weights = [loss_items(chunk, n, shifts, layout) for n, chunk in chunks]
         loss = weighted_loss([o[0] for o in outs], weights)
         if loss is not None and outs[0][0] is not None:
             loss = loss.to(outs[0][0].dtype)

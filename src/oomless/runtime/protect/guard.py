@@ -75,6 +75,7 @@ class StepGuard:
         self.ctx = ctx
         self.original = original
         self.oom_types = oom_types()
+        self.scaled = True  # whether chunk losses add up (num_items_in_batch normalisation)
 
     def __call__(self, model: Any, inputs: Any, num_items_in_batch: Any = None,
                  *args: Any, **kwargs: Any) -> Any:
@@ -85,6 +86,7 @@ class StepGuard:
         if c.keeps_step_inputs:
             c.step_inputs.append(inputs)
         call = (model, num_items_in_batch, args, kwargs)
+        self.scaled = loss_scaled_for_ga(c.trainer, num_items_in_batch)
         progress, redo = _Progress(), False
         while True:
             try:
@@ -94,24 +96,29 @@ class StepGuard:
                     redo = False
                 return self._run(call, inputs, progress)
             except self.oom_types as err:
-                if self._recover(err, model, batch_rows(inputs)):
+                if self._recover(err, model, self._units(inputs)):
                     progress, redo = _Progress(), True
+
+    def _units(self, inputs: Any) -> int | None:
+        rows = batch_rows(inputs)
+        return None if rows is None else self.ctx.layout.units(rows)
 
     # ---- running chunks -----------------------------------------------------------------
     def _run(self, call: tuple, inputs: Any, progress: _Progress) -> Any:
         model, num_items, _args, _kwargs = call
         rows = batch_rows(inputs)
-        size = self.ctx.chunk_rows
-        if rows is None or size is None or (progress.rows_done == 0 and size >= rows):
+        size, layout = self.ctx.chunk_rows, self.ctx.layout
+        units = None if rows is None else layout.units(rows)
+        if units is None or size is None or (progress.rows_done == 0 and size >= units):
             return self._attempt(call, inputs, None)
-        chunks = row_chunks(inputs, rows, progress.rows_done, size)
+        chunks = row_chunks(inputs, rows, progress.rows_done, size, layout)
         weights = None
-        if not loss_scaled_for_ga(self.ctx.trainer, num_items):
+        if not loss_scaled_for_ga(self.ctx.trainer, num_items):  # a per-batch mean
             shifts = getattr(self.ctx.trainer, "_loss_shifts_labels", True)
-            total = loss_items(inputs, rows, shifts)
-            weights = [(loss_items(ch, n, shifts), total) for n, ch in chunks]
+            total = loss_items(inputs, units, shifts, layout)
+            weights = [(loss_items(ch, n, shifts, layout), total) for n, ch in chunks]
         for i, (n, chunk) in enumerate(chunks):
-            last = progress.rows_done + n == rows
+            last = progress.rows_done + n == units
             sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") \
                 else model.no_sync()
             with sync:
@@ -198,14 +205,17 @@ class StepGuard:
         c = self.ctx
         args = c.trainer.args
         per_device = args.per_device_train_batch_size
+        unit = "pairs" if c.layout.pairs else "rows"
         what = "backward: the step's gradients were dropped and its micro batches redone" \
-            if in_backward else "forward: the rows not done yet go on"
-        c.event("oom", f"OOM at step {c.step} on rank(s) {ranks} ({what}); {rows or '?'} rows "
+            if in_backward else f"forward: the {unit} not done yet go on"
+        c.event("oom", f"OOM at step {c.step} on rank(s) {ranks} ({what}); {rows or '?'} {unit} "
                 f"now run {c.chunk_rows} at a time"
                 f"{' with gradient checkpointing' if c.grad_ckpt else ''}; the effective batch "
                 "is unchanged", c.step, ranks=ranks, error=error, phase="train",
                 micro_batch_before=before, micro_batch_after=c.chunk_rows,
                 grad_ckpt=c.grad_ckpt, in_backward=in_backward,
+                unit=unit, weighting="num_items_in_batch" if self.scaled else
+                f"mean over {c.layout.weight}",
                 per_device_train_batch_size=per_device,
                 gradient_accumulation_steps=args.gradient_accumulation_steps,
                 effective_batch=per_device * args.gradient_accumulation_steps * args.world_size)
