@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from hf_helpers import assert_same_weights, read_events
@@ -21,96 +22,63 @@ from oomless.runtime.supervise.configs import (
 )
 from oomless.runtime.train.memlog import read_steps
 
-# A LLaMA-Factory example configuration (examples/train_lora/llama3_lora_sft.yaml shape)
-LF_YAML = """\
-### model
-model_name_or_path: Qwen/Qwen2.5-7B-Instruct
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "run"  # real files; README.md there
 
-### method
-stage: sft
-do_train: true
-finetuning_type: lora
-lora_target: all
 
-### dataset
-dataset: alpaca_en_demo
-template: qwen
-cutoff_len: 4096
-
-### output
-output_dir: saves/qwen-7b/lora/sft
-
-### train
-per_device_train_batch_size: 8
-gradient_accumulation_steps: 2
-learning_rate: 1.0e-4
-bf16: true
-"""
-
-# GLM-4 finetune_demo/configs/lora.yaml (the seed's values)
-GLM_YAML = """\
-data_config:
-  train_file: train.jsonl
-  val_file: dev.jsonl
-  test_file: dev.jsonl
-  num_proc: 1
-
-max_input_length: 512
-max_output_length: 512
-
-training_args:
-  # see `transformers.Seq2SeqTrainingArguments`
-  output_dir: ./output
-  max_steps: 3000
-  learning_rate: 5e-4
-  per_device_train_batch_size: 4
-  per_device_eval_batch_size: 16
-  save_strategy: steps
-  save_steps: 500
-  evaluation_strategy: steps
-  eval_steps: 500
-  predict_with_generate: true
-  generation_config:
-    max_new_tokens: 512
-
-peft_config:
-  peft_type: LORA
-  task_type: CAUSAL_LM
-  r: 8
-  lora_alpha: 32
-  lora_dropout: 0.1
-  target_modules: ["query_key_value"]
-"""
-
-# MoE-LLaVA's scripts/zero2.json
-ZERO2 = {"zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
-                               "reduce_bucket_size": "auto"},
-         "bf16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
-         "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
+def lf_yaml() -> str:
+    """LLaMA-Factory's examples/train_lora/llama3_lora_sft.yaml as a user edits it: micro
+    batch 4 x accumulation 2; warmup_ratio written warmup_steps: 0.1, its spelling in
+    transformers 5, whose TrainingArguments check reads (5.x has no warmup_ratio)."""
+    text = (FIXTURES / "llama3_lora_sft.yaml").read_text()
+    return text.replace("per_device_train_batch_size: 1\ngradient_accumulation_steps: 8",
+                        "per_device_train_batch_size: 4\ngradient_accumulation_steps: 2"
+                        ).replace("warmup_ratio: 0.1", "warmup_steps: 0.1")
 
 
 def _moe_llava_command(ds_path):
-    return ["deepspeed", "--num_gpus", "8", "moellava/train/train_mem.py",
-            "--deepspeed", str(ds_path), "--model_name_or_path", "qwen2.5-7b-instruct",
-            "--version", "qwen", "--data_path", "llava_image_tune_.json",
-            "--output_dir", "./checkpoints/moe-llava", "--bf16", "True",
-            "--per_device_train_batch_size=8", "--gradient_accumulation_steps", "2",
-            "--gradient_checkpointing", "True", "--learning_rate", "2e-5"]
+    """MoE-LLaVA's scripts/v1_5/qwen/finetune_moe.sh, its variables written out."""
+    return ["deepspeed", "moellava/train/train_mem.py", "--moe_enable", "True",
+            "--num_experts", "4", "--top_k_experts", "2", "--moe_mode", "sparse",
+            "--use_residual", "False", "--router_aux_loss_coef", "0.01",
+            "--train_modules", "fc1", "fc2", "wg", "--deepspeed", str(ds_path),
+            "--model_name_or_path", "qwen1.5-1.8b", "--version", "phi",
+            "--data_path", "ft_json/llava_image_tune_.json", "ft_json/nlp_tune.json",
+            "--image_folder", "train_image_video",
+            "--image_tower", "openai/clip-vit-large-patch14-336",
+            "--image_projector_type", "mlp2x_gelu", "--mm_vision_select_layer", "-2",
+            "--mm_use_im_start_end", "False", "--mm_use_im_patch_token", "False",
+            "--image_aspect_ratio", "pad", "--group_by_modality_length", "True",
+            "--bf16", "True", "--output_dir", "./checkpoints/llavaqwen-1.8b-finetune-moe",
+            "--num_train_epochs", "1", "--per_device_train_batch_size", "8",
+            "--per_device_eval_batch_size", "4", "--gradient_accumulation_steps", "2",
+            "--evaluation_strategy", "no", "--save_strategy", "steps", "--save_steps", "24000",
+            "--save_total_limit", "1", "--learning_rate", "2e-5", "--weight_decay", "0.",
+            "--warmup_ratio", "0.03", "--lr_scheduler_type", "cosine", "--logging_steps", "1",
+            "--tf32", "True", "--model_max_length", "2048", "--gradient_checkpointing", "True",
+            "--dataloader_num_workers", "4", "--lazy_preprocess", "True",
+            "--report_to", "tensorboard", "--cache_dir", "./cache_dir"]
 
 
-def test_commands_are_recognised(tmp_path):
+def test_commands_are_recognised(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     cfg = tmp_path / "lora.yaml"
-    cfg.write_text(GLM_YAML)
+    cfg.write_text((FIXTURES / "glm4_lora.yaml").read_text())
+    (tmp_path / "ft_json").mkdir()
+    (tmp_path / "ft_json" / "nlp_tune.json").write_text("[]")  # data, not a configuration
     lf = parse_command(["llamafactory-cli", "train", str(cfg), "learning_rate=1e-5"])
     assert (lf.launcher, lf.config_file) == ("llamafactory-cli", str(cfg))
     glm = parse_command(["torchrun", "--standalone", "--nnodes=1", "--nproc_per_node=8",
                          "finetune.py", "data/AdvertiseGen", "THUDM/glm-4-9b-chat", str(cfg)])
     assert (glm.launcher, glm.nproc, glm.script) == ("torchrun", 8, "finetune.py")
     assert is_glm_finetune(glm)
-    ds = parse_command(_moe_llava_command(tmp_path / "zero2.json"))
-    assert (ds.launcher, ds.nproc, ds.script) == ("deepspeed", 8, "moellava/train/train_mem.py")
-    assert ds.flag("gradient_accumulation_steps") == "2"
-    assert ds.argv[ds.flags["per_device_train_batch_size"]] == "--per_device_train_batch_size=8"
+    ds = parse_command(_moe_llava_command("zero2.json"))
+    assert (ds.launcher, ds.script, ds.config_file) == ("deepspeed", "moellava/train/train_mem.py",
+                                                        None)
+    assert ds.flag("gradient_accumulation_steps") == "2" and ds.flag("deepspeed") == "zero2.json"
+    eq = parse_command(["torchrun", "--nproc-per-node", "4", "train.py",
+                        "--per_device_train_batch_size=8"])
+    assert eq.nproc == 4
+    assert eq.argv[eq.flags["per_device_train_batch_size"]] == "--per_device_train_batch_size=8"
     acc = parse_command(["python", "-m", "accelerate.commands.launch", "--num_processes", "2",
                          "train.py", "--output_dir=out"])
     assert (acc.launcher, acc.nproc, acc.flag("output_dir")) == ("accelerate", 2, "--output_dir=out")
@@ -123,67 +91,75 @@ def _training_oom_log():
            "total capacity of 23.65 GiB of which 1.06 GiB is free.\n")
 
 
-@pytest.mark.parametrize("kind", ["llamafactory", "glm4", "hf-args"])
+@pytest.mark.parametrize("kind", ["llamafactory", "hf-args"])
 def test_the_fix_goes_into_a_copy(kind, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     if kind == "llamafactory":
-        (tmp_path / "lf.yaml").write_text(LF_YAML)
+        (tmp_path / "lf.yaml").write_text(lf_yaml())
         argv = ["llamafactory-cli", "train", "lf.yaml"]
-        micro, accum, original = 8, 2, {"lf.yaml": LF_YAML}
-    elif kind == "glm4":
-        (tmp_path / "lora.yaml").write_text(GLM_YAML)
-        argv = ["python", "finetune.py", "data", "glm-4-9b-chat", "lora.yaml"]
-        micro, accum, original = 4, 1, {"lora.yaml": GLM_YAML}
+        micro, accum, originals = 4, 2, {"lf.yaml": lf_yaml()}
     else:
-        (tmp_path / "zero2.json").write_text(json.dumps(ZERO2, indent=2))
+        ds_text = (FIXTURES / "zero2_offload.json").read_text()
+        (tmp_path / "zero2.json").write_text(ds_text)
         argv = _moe_llava_command("zero2.json")
-        micro, accum, original = 8, 2, {"zero2.json": json.dumps(ZERO2, indent=2)}
-    view = read_view(parse_command(argv))
+        micro, accum, originals = 8, 2, {"zero2.json": ds_text}
+    view = read_view(parse_command(argv), model="qwen2.5-1.5b-instruct")
     assert view.kind == kind and view.cfg.micro_batch_size == micro
     change = choose_change(view, diagnose_log(_training_oom_log(), view), [])
-    assert change.changes["micro_batch_size"] * change.changes["grad_accum"] == micro * accum
-    assert change.changes["micro_batch_size"] < micro
+    assert change.changes == {"micro_batch_size": micro // 2, "grad_accum": accum * 2}
     command, diffs = write_change(view, change, tmp_path / "run" / "attempt-2")
     assert diffs
-    for name, text in original.items():  # the user's files, byte for byte
+    for name, text in originals.items():  # the user's files, byte for byte
         assert (tmp_path / name).read_text() == text
-    after = read_view(command)  # the new command reads back with the change
-    assert after.cfg.micro_batch_size == change.changes["micro_batch_size"]
-    assert after.cfg.grad_accum == change.changes["grad_accum"]
-    if kind != "hf-args":
-        copy = tmp_path / "run" / "attempt-2" / list(original)[0]
-        assert command.config_file == str(copy)
-        assert "### train" in copy.read_text() or "# see `transformers" in copy.read_text()
+    after = read_view(command, model="qwen2.5-1.5b-instruct")  # reads back with the change
+    assert (after.cfg.micro_batch_size, after.cfg.grad_accum) == (micro // 2, accum * 2)
+    if kind == "llamafactory":
+        copy = tmp_path / "run" / "attempt-2" / "lf.yaml"
+        assert command.config_file == str(copy) and "### train" in copy.read_text()
+    else:  # the flags changed; the DeepSpeed file says "auto" and is left alone
+        assert command.flag("per_device_train_batch_size") == "4"
+        assert command.flag("deepspeed") == "zero2.json"
+        changed = [(a, b) for a, b in zip(argv, command.argv, strict=True) if a != b]
+        assert changed == [("8", "4"), ("2", "4")]  # only the two values, in place
 
 
-def test_eval_oom_changes_only_the_eval_batch(tmp_path, monkeypatch):
+def test_glm4_config_with_one_row_per_micro_batch(tmp_path, monkeypatch):
+    """GLM-4's own lora.yaml trains one row per micro batch with checkpointing always on:
+    a training OOM has no fix that keeps the effective batch; an evaluation OOM halves the
+    evaluation batch, in a copy that keeps the file's comments."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "lora.yaml").write_text(GLM_YAML)
-    view = read_view(parse_command(["python", "finetune.py", "data", "glm-4-9b-chat",
-                                    "lora.yaml"]))
-    events = [{"event": "eval_oom", "phase": "eval", "eval_batch_after": 4}]
+    original = (FIXTURES / "glm4_lora.yaml").read_text()
+    (tmp_path / "lora.yaml").write_text(original)
+    view = read_view(parse_command(["python", "finetune.py", "data/AdvertiseGen",
+                                    "glm-4-9b-chat", "lora.yaml"]))
+    assert view.kind == "glm4" and view.cfg.micro_batch_size == 1 and view.cfg.grad_ckpt
+    assert choose_change(view, diagnose_log(_training_oom_log(), view), []) is None
+    events = [{"event": "oom_exit", "phase": "eval", "eval_batch_after": 2}]
     change = choose_change(view, diagnose_log("", view), events)
-    assert change == Change({"eval.batch_size": 4}, "eval batch 16 -> 4", "eval")
+    assert change == Change({"eval.batch_size": 2}, "eval batch 4 -> 2", "eval")
     command, _ = write_change(view, change, tmp_path / "copy")
-    after = read_view(command)
-    assert (after.cfg.eval.batch_size, after.cfg.micro_batch_size) == (4, 4)
+    assert read_view(command).cfg.eval.batch_size == 2
+    assert "# settings for evaluation" in (tmp_path / "copy" / "lora.yaml").read_text()
+    assert (tmp_path / "lora.yaml").read_text() == original
 
 
 def test_auto_fit_starts_with_the_checks_fix(tmp_path, monkeypatch):
     from oomless.runtime.supervise.supervisor import RunOptions, Supervisor
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "lf.yaml").write_text(LF_YAML)
+    (tmp_path / "lf.yaml").write_text(lf_yaml())
     sup = Supervisor(RunOptions(["llamafactory-cli", "train", "lf.yaml"], auto_fit=True,
-                                gpu="rtx-4090", run_dir=str(tmp_path / "run")))
+                                gpu="rtx-4090", model="llama-3.1-8b-instruct",
+                                run_dir=str(tmp_path / "run")))
     sup.start()
     (check,) = read_events(tmp_path / "run", "check")
     assert check["checked"] and not check["fits"]
     (fit,) = read_events(tmp_path / "run", "auto_fit")
     cfg = sup.view.cfg
-    assert cfg.micro_batch_size * cfg.grad_accum == 16 and cfg.micro_batch_size < 8
+    assert cfg.micro_batch_size * cfg.grad_accum == 8 and cfg.micro_batch_size < 4
+    assert fit["changes"]["micro_batch_size"] == cfg.micro_batch_size
     assert sup.command.config_file.endswith("attempt-1/lf.yaml")
-    assert (tmp_path / "lf.yaml").read_text() == LF_YAML
+    assert (tmp_path / "lf.yaml").read_text() == lf_yaml()
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from ..train.dist import Dist
-from .batch import Layout
 from ..train.memlog import RunLog
 from ..train.oom import FaultInjector
+from .batch import Layout
 
 
 class PeerOOM(Exception):

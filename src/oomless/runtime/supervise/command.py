@@ -86,6 +86,8 @@ def _script_after(argv: list[str], start: int) -> int | None:
 
 
 def _script_args(cmd: Command, start: int) -> None:
+    """Flags and positionals; a configuration file is a positional before the first flag
+    (after one, a file may be a value of a multi-value flag such as --data_path A B)."""
     argv = cmd.argv
     i = start
     while i < len(argv):
@@ -101,7 +103,7 @@ def _script_args(cmd: Command, start: int) -> None:
                 cmd.flags[name] = -1  # a bare boolean flag
         else:
             cmd.positionals.append(i)
-            if cmd.config_index is None and word.endswith(CONFIG_SUFFIXES) \
+            if cmd.config_index is None and not cmd.flags and word.endswith(CONFIG_SUFFIXES) \
                     and Path(word).is_file():
                 cmd.config_index = i
         i += 1

@@ -156,12 +156,12 @@ def change_from_check(result: Any) -> Change | None:
     """The check's smallest change that fits, as a Change (None: fits or no fix)."""
     if result is None or result.fix is None:
         return None
+    from ..train.preflight import config_changes
+
     new = RunConfig.model_validate(result.fix["config"])
     old = RunConfig.model_validate(result.config)
-    keys = ("micro_batch_size", "grad_accum", "grad_ckpt", "zero", "offload", "optimizer")
-    changes = {k: getattr(new, k) for k in keys if getattr(new, k) != getattr(old, k)}
-    if new.eval.batch_size != old.eval.batch_size:
-        changes["eval.batch_size"] = new.eval.batch_size
+    changes = {k: b for k, (_a, b) in config_changes(old, new).items()
+               if not k.startswith("hardware.")}
     text = ", ".join(f"{k} {v}" for k, v in changes.items())
     return Change(changes, f"predicted to fit: {text}", "train") if changes else None
 
