@@ -251,3 +251,34 @@ def test_the_entry_points_leave_torch_out():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=child_env())
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_a_deepspeed_run_exits_for_a_restart_and_is_relaunched(tiny_model_dir, tmp_path,
+                                                              monkeypatch):
+    """HF Trainer under DeepSpeed ZeRO-2 (CPU): the OOM ends the process with 75, the
+    supervisor relaunches with micro batch 1 from checkpoint-1 ("auto" DeepSpeed values
+    follow the TrainingArguments), and the result equals a DeepSpeed run that never died."""
+    from oomless.cli import main
+
+    deepspeed = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+                 "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node=1", str(SCRIPT)]
+    results = {}
+    for name, inject in (("never", ""), ("died", "train:2")):
+        args = script_args(tiny_model_dir, tmp_path / name, max_steps=3, save_strategy="steps",
+                           save_steps=1, per_device_train_batch_size=2, deepspeed=deepspeed)
+        args_file = tmp_path / f"{name}.json"
+        args_file.write_text(json.dumps(args))
+        for key, value in child_env(OOMLESS_INJECT_OOM=inject).items():
+            monkeypatch.setenv(key, value)
+        assert main(["run", "--", *launcher, str(args_file)]) == 0
+        results[name] = tmp_path / name
+    run = results["died"] / "oomless"
+    (exit_event,) = read_events(run, "oom_exit")
+    assert (exit_event["engine"], exit_event["step"]) == ("deepspeed", 2)
+    (restart,) = read_events(run, "restart")
+    assert restart["changes"] == {"micro_batch_size": 1, "grad_accum": 4}
+    assert read_events(run, "relaunch")[0]["checkpoint"].endswith("checkpoint-1")
+    assert_same_weights(final_weights(results["never"]), final_weights(results["died"]))

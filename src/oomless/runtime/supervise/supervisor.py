@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import OomlessError
+from ...units import fmt_bytes
 from ..protect.bootstrap import write_shim
 from ..protect.env import (
     ATTEMPT_ENV,
@@ -150,7 +151,7 @@ class Supervisor:
             return
         verdict = "fits" if result.within_budget else "predicted OUT OF MEMORY"
         self.event("check", f"check: {verdict} on {result.hardware} (peak "
-                   f"{result.device_peak_bytes / 2**30:.2f} GiB in {result.peak_phase})",
+                   f"{fmt_bytes(result.device_peak_bytes)} in {result.peak_phase})",
                    checked=True, fits=result.fits, device_peak_bytes=result.device_peak_bytes,
                    gpu_memory_bytes=result.gpu_memory_bytes, diffs=result.diffs)
         change = change_from_check(result)
