@@ -20,6 +20,7 @@ from oomless.runtime.train.memlog import read_steps
 
 
 def _sft(tiny_model_dir, rows, out, inject=None):
+    pytest.importorskip("trl")
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -54,6 +55,7 @@ def test_trl_sft_trainer_oom_keeps_the_training(tiny_model_dir, rows, tmp_path):
 
 
 def _dpo(tiny_model_dir, out, inject=None):
+    pytest.importorskip("trl")
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 

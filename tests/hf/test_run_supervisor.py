@@ -259,6 +259,7 @@ def test_a_deepspeed_run_exits_for_a_restart_and_is_relaunched(tiny_model_dir, t
     """HF Trainer under DeepSpeed ZeRO-2 (CPU): the OOM ends the process with 75, the
     supervisor relaunches with micro batch 1 from checkpoint-1 ("auto" DeepSpeed values
     follow the TrainingArguments), and the result equals a DeepSpeed run that never died."""
+    pytest.importorskip("deepspeed")
     from oomless.cli import main
 
     deepspeed = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",

@@ -119,12 +119,19 @@ class StepGuard:
             weights = [(loss_items(ch, n, shifts, layout), total) for n, ch in chunks]
         for i, (n, chunk) in enumerate(chunks):
             last = progress.rows_done + n == units
+            if weights and not weights[i][0] and not self.ctx.dist.active:
+                progress.rows_done += n  # no label token: a mean over none, no gradient
+                continue
             sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") \
                 else model.no_sync()
             with sync:
                 loss = self._attempt(call, chunk, weights[i] if weights else None)
             progress.rows_done += n
             progress.loss = loss if progress.loss is None else progress.loss + loss
+        if progress.loss is None:  # every chunk was without label tokens
+            import torch
+
+            progress.loss = torch.zeros((), device=self.ctx.trainer.args.device)
         return progress.loss
 
     def _attempt(self, call: tuple, inputs: Any, weight: tuple[int, int] | None) -> Any:
