@@ -35,7 +35,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from oomless.fileio import write_atomic
+from oomless.fileio import write_atomic, write_json_atomic
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -193,9 +193,7 @@ def main() -> None:
                 "with the overhead before reading it; not yet measured on a GPU",
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp_file = RESULTS.with_suffix(".json.tmp")
-    tmp_file.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp_file, RESULTS)
+    write_json_atomic(RESULTS, result)
     write_atomic(RESULTS.with_suffix(".md"), summary_md(result))
     print(json.dumps(result, indent=2))
 
