@@ -56,7 +56,8 @@ def time_oomless(model_dir: Path, out: Path, steps: int) -> list[float]:
     return [b - a for a, b in zip(ends, ends[1:], strict=False)][WARMUP:]
 
 
-def time_hf_trainer(model_dir: Path, out: Path, steps: int) -> list[float]:
+def time_hf_trainer(model_dir: Path, out: Path, steps: int, prepare=None) -> list[float]:
+    """Step times of a plain transformers Trainer (``prepare(trainer)`` runs before train)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import (
@@ -92,8 +93,11 @@ def time_hf_trainer(model_dir: Path, out: Path, steps: int) -> list[float]:
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=42,
         dataloader_num_workers=0, optim="adamw_torch", disable_tqdm=True)
     collator = DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)
-    Trainer(model=model, args=args, train_dataset=rows, data_collator=collator,
-            callbacks=[Clock()]).train()
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator,
+                      callbacks=[Clock()])
+    if prepare is not None:
+        prepare(trainer)
+    trainer.train()
     return [b - a for a, b in zip(ends, ends[1:], strict=False)][WARMUP:]
 
 
