@@ -18,7 +18,9 @@ from typing import Any
 
 from ...check import foreign_keys as K
 from ...check.checker import CheckOptions, apply_edits, check, edits_for
-from ...check.readers import read_glm4, read_hf_deepspeed, read_llamafactory
+from ...check.readers_glm import read_glm4
+from ...check.readers_hf import read_hf_deepspeed
+from ...check.readers_lf import read_llamafactory
 from ...check.sources import Source, detect_kind, load_source, source_from_text
 from ...check.textedit import set_json, unified_diff
 from ...config import RunConfig, build_run_config
@@ -27,7 +29,7 @@ from ...errors import ConfigError, OomlessError
 from ...fileio import write_atomic
 from .command import Command, is_glm_finetune
 
-TA_KEYS = K.TRAINING_ARGUMENTS_KEYS | K.SEQ2SEQ_EXTRA_KEYS
+TA_KEYS = K.keys_of(*K.TRAINING_ARGUMENTS)  # every version of TrainingArguments
 SEQ_KEYS = ("max_seq_length", "max_length", "cutoff_len", "model_max_length")
 EVAL_CAUSES = {"evaluation", "generation"}
 
