@@ -20,6 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("config", metavar="CONFIG.yaml", help="run configuration (see docs/config.md)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in training.output_dir")
+    p.add_argument("--start-over", action="store_true",
+                   help="the output_dir holds another run: delete its checkpoints, logs and "
+                   "final weights and start a new run there")
     p.add_argument("--auto-fit", action="store_true",
                    help="if the run is predicted not to fit, apply the best plan that does")
     p.add_argument("--output-dir", metavar="DIR", help="override training.output_dir")
@@ -91,8 +94,13 @@ def _run(args: argparse.Namespace) -> int:
     from ._render import console
 
     out = console()
+    if args.resume and args.start_over:
+        from ..errors import ConfigError
+
+        raise ConfigError("--resume continues the run in output_dir, --start-over deletes it: "
+                          "give one of them")
     result = train(cfg, resume=args.resume, auto_fit=args.auto_fit,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, start_over=args.start_over)
     if int(os.environ.get("RANK", "0")) == 0:
         render_summary(out, result)
         out.print(f"next: oomless report {result.run_dir}")

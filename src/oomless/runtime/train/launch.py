@@ -94,7 +94,7 @@ def _atomic_write(path: Path, text: str) -> None:
 def launch_command(config_file: str, acc_file: Path, args: Any) -> list[str]:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(acc_file),
            "-m", "oomless", "train", str(config_file)]
-    for flag in ("resume", "auto_fit", "no_progress"):
+    for flag in ("resume", "start_over", "auto_fit", "no_progress"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))
     if getattr(args, "output_dir", None):
