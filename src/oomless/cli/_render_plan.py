@@ -58,21 +58,21 @@ def plan_lines(i: int, p: Any) -> list[str]:
 
 
 def render_plan(result: Any, written: list[str], show_assumptions: bool = False) -> None:
-    from ._render import console
+    from ._render import console, esc
 
     out = console()
-    out.print(f"[bold]{result.model}[/] on {result.hardware} · effective batch "
+    out.print(f"[bold]{esc(result.model)}[/] on {result.hardware} · effective batch "
               f"{result.effective_batch} · budget {fmt_bytes(result.budget_bytes)} per GPU · "
               f"objective {result.objective}")
     rate = result.searched / result.elapsed_s if result.elapsed_s else 0
     out.print(f"searched {result.searched:,} configurations ({result.evaluated:,} estimated) "
               f"in {result.elapsed_s:.2f} s ({rate:,.0f}/s); {result.fitting:,} fit")
     for note in result.notes:
-        out.print(f"[dim]note: {note}[/]")
+        out.print(f"[dim]note: {esc(note)}[/]")
     if result.data:
         d = result.data
         out.print(f"data: {d['samples']} samples, tokens p50 {d['p50']} / p95 {d['p95']} / "
-                  f"p99 {d['p99']} / max {d['max']} ({d['source']})")
+                  f"p99 {d['p99']} / max {d['max']} ({esc(d['source'])})")
     if result.plans:
         out.print("[bold]plans that fit, best first[/]")
         for i, p in enumerate(result.plans, start=1):
@@ -85,7 +85,7 @@ def render_plan(result: Any, written: list[str], show_assumptions: bool = False)
     for s in result.suggestions:
         out.print(f"[green]would fit:[/] {s}")
     for path in written:
-        out.print(f"wrote {path}")
+        out.print(f"wrote {esc(path)}")
     render_assumptions(out, result.assumptions, show_assumptions)
 
 
@@ -134,10 +134,10 @@ def _read_as(c: dict[str, Any]) -> str:
 
 
 def render_check(r: Any) -> None:
-    from ._render import console
+    from ._render import console, esc
 
     out = console()
-    out.print(f"[bold]{r.label}[/] {', '.join(r.files)} · {r.model} on {r.hardware}")
+    out.print(f"[bold]{r.label}[/] {esc(', '.join(r.files))} · {esc(r.model)} on {r.hardware}")
     out.print(f"read as: {_read_as(r.config)}")
     phases = ", ".join(
         f"{p} {fmt_bytes(v)}" + (" [red]✗[/]" if v > r.gpu_memory_bytes else "")
@@ -166,4 +166,4 @@ def render_check(r: Any) -> None:
         out.print("no change this file can express fits; run `oomless plan` for other "
                   "methods, GPUs or sharding")
     for note in r.notes:
-        out.print(f"[dim]note: {note}[/]")
+        out.print(f"[dim]note: {esc(note)}[/]")

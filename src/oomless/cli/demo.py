@@ -26,15 +26,15 @@ def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from ..runtime.demo import DEMO_STEPS, NEXT_STEPS, OOM_STEP, estimate_demo, prepare_demo
-    from ._render import console, render_estimate
+    from ._render import console, esc, render_estimate
     from .train import quiet_libraries, render_summary
 
     out = console()
     quiet_libraries()
     out.print("[bold]1/3 plan[/]: tiny model, tokenizer and data, built locally")
     files = prepare_demo(args.out)
-    out.print(f"  model  {files.model_dir}\n  data   {files.train_file} (200 records)\n"
-              f"  config {files.config_file}")
+    out.print(f"  model  {esc(files.model_dir)}\n  data   {esc(files.train_file)} (200 records)\n"
+              f"  config {esc(files.config_file)}")
     render_estimate(estimate_demo(files))
     out.print(f"\n[bold]2/3 train[/]: LoRA, {DEMO_STEPS} steps on the CPU; an OOM is injected "
               f"at step {OOM_STEP} (micro batch 4 -> 2, same samples, same effective batch)")
@@ -47,8 +47,9 @@ def _run(args: argparse.Namespace) -> int:
 
     html = report_demo(result.run_dir)
     if html is not None:
-        out.print(f"  wrote {html} (open it in a browser; works offline)")
+        out.print(f"  wrote {esc(html)} (open it in a browser; works offline)")
     else:
-        out.print(f"  plotly is not installed: the memory log is {result.run_dir / 'memlog.jsonl'}")
-    out.print("\n" + NEXT_STEPS.format(run_dir=result.run_dir))
+        out.print(f"  plotly is not installed: the memory log is "
+                  f"{esc(result.run_dir / 'memlog.jsonl')}")
+    out.print("\n" + esc(NEXT_STEPS.format(run_dir=result.run_dir)))
     return 0

@@ -8,7 +8,7 @@ ORDER = 10
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ._options import add_run_options
+    from ._options import POSITIVE, UTILIZATION, add_run_options
 
     p = sub.add_parser(
         "estimate",
@@ -22,9 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     inf = p.add_argument_group("inference (--inference)")
     inf.add_argument("--inference", action="store_true", help="estimate inference instead")
     inf.add_argument("--engine", choices=["hf", "vllm"], default="vllm")
-    inf.add_argument("--max-model-len", type=int, help="vLLM: default seq-len + max-new-tokens")
-    inf.add_argument("--max-num-seqs", type=int, default=256)
-    inf.add_argument("--gpu-memory-utilization", type=float)
+    inf.add_argument("--max-model-len", type=POSITIVE, help="vLLM: default seq-len + max-new-tokens")
+    inf.add_argument("--max-num-seqs", type=POSITIVE, default=256)
+    inf.add_argument("--gpu-memory-utilization", type=UTILIZATION)
     inf.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.set_defaults(func=run)
 
@@ -74,10 +74,10 @@ def _inference(args: argparse.Namespace, cfg) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    from ._render import console
+    from ._render import console, esc
 
     out = console()
-    out.print(f"[bold]{spec.name}[/] inference ({data['engine']})")
+    out.print(f"[bold]{esc(spec.name)}[/] inference ({data['engine']})")
     for key, value in data.items():
         if key == "engine":
             continue

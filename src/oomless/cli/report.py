@@ -48,5 +48,6 @@ def _run(args: argparse.Namespace) -> int:
         parts.append(f"measured peak {fmt_bytes(data.measured_peak_bytes)}")
     if data.predicted_peak_bytes:
         parts.append(f"predicted {fmt_bytes(data.predicted_peak_bytes)}")
-    console.print(f"wrote {out} ({', '.join(parts)})", highlight=False, soft_wrap=True)
+    console.print(f"wrote {out} ({', '.join(parts)})", markup=False, highlight=False,
+                  soft_wrap=True)
     return 0

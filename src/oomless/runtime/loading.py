@@ -7,7 +7,6 @@ configuration sets it, with a warning. Nothing here touches the network.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import warnings
@@ -60,8 +59,10 @@ def resolve_model_dir(model: str) -> Path:
 
 def check_remote_code(model_dir: Path, trust_remote_code: bool) -> None:
     """Models that ship Python code load only when the config says so."""
-    config = json.loads((model_dir / "config.json").read_text())
-    if "auto_map" not in config:
+    from ..fileio import read_json
+
+    config = read_json(model_dir / "config.json", "a model config (JSON object)", ConfigError)
+    if not isinstance(config, dict) or "auto_map" not in config:
         return
     if not trust_remote_code:
         raise ConfigError(
