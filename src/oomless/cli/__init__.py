@@ -63,7 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     traceback only when OOMLESS_TRACEBACK=1."""
     _offline()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # usage errors (2, message printed), --help and --version (0)
+        return int(done.code or 0)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -17,6 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", default="oomless-demo", metavar="DIR",
                    help="folder for the model, data, oomless.yaml and run (default: ./oomless-demo)")
+    p.add_argument("--force", action="store_true",
+                   help="DIR may hold files the demo did not write; those in its way are "
+                   "kept as NAME.orig")
     p.set_defaults(func=_run)
 
 
@@ -32,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
     out = console()
     quiet_libraries()
     out.print("[bold]1/3 plan[/]: tiny model, tokenizer and data, built locally")
-    files = prepare_demo(args.out)
+    files = prepare_demo(args.out, force=args.force)
     out.print(f"  model  {esc(files.model_dir)}\n  data   {esc(files.train_file)} (200 records)\n"
               f"  config {esc(files.config_file)}")
     render_estimate(estimate_demo(files))
@@ -40,7 +43,7 @@ def _run(args: argparse.Namespace) -> int:
               f"at step {OOM_STEP} (micro batch 4 -> 2, same samples, same effective batch)")
     from ..runtime.train.loop import train
 
-    result = train(files.config, progress=True)
+    result = train(files.config, progress=True, start_over=True)  # the run folder is the demo's
     render_summary(out, result)
     out.print("\n[bold]3/3 report[/]")
     from ..runtime.demo import report_demo

@@ -46,6 +46,9 @@ def _common(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--id-field", help="key records by this field instead of their line")
     p.add_argument("--limit", type=POSITIVE, help="process at most N new records this run")
     p.add_argument("--overwrite", action="store_true", help="start OUT again from scratch")
+    p.add_argument("--force", action="store_true",
+                   help="OUT (or --kept) exists but was not written by oomless: replace it, "
+                   "keeping the old file as FILE.orig")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--engine-args", action="store_true",
                    help="print the vLLM engine arguments the memory model computes, and stop")
@@ -106,6 +109,12 @@ def _print_engine_args(args: argparse.Namespace, opts) -> int:
 
     if args.gpu:
         gpu, used = get_gpu(args.gpu), int(args.gpu_used_gb * GiB)
+        if used >= gpu.memory_bytes:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"--gpu-used-gb {args.gpu_used_gb:g}: {gpu.display_name} has "
+                              f"{fmt_bytes(gpu.memory_bytes)} in all; give what other "
+                              "processes use, less than that")
     else:
         try:
             name, total, used = device_memory()
@@ -154,7 +163,7 @@ def _run_infer(args: argparse.Namespace) -> int:
         return _print_engine_args(args, opts)
     _need_files(args)
     summary = infer_file(args.data, args.out, opts, overwrite=args.overwrite,
-                         on_chunk=_progress())
+                         on_chunk=_progress(), force=args.force)
     print(_summary_line(summary))
     return 0
 
@@ -169,16 +178,13 @@ def _run_score(args: argparse.Namespace) -> int:
     _need_files(args)
     template = DEFAULT_JUDGE_PROMPT
     if args.judge_prompt:
-        from pathlib import Path
-
         from ..errors import ConfigError
+        from ..fileio import read_text
 
-        try:
-            template = Path(args.judge_prompt).read_text(encoding="utf-8")
-        except OSError as err:
-            raise ConfigError(f"--judge-prompt '{args.judge_prompt}': {err.strerror}") from None
+        template = read_text(args.judge_prompt, "--judge-prompt", ConfigError, 2**20)
         check_judge_template(template, f"'{args.judge_prompt}'")
     summary = score_file(args.data, args.out, opts, min_score=args.min_score, kept=args.kept,
-                         template=template, overwrite=args.overwrite, on_chunk=_progress())
+                         template=template, overwrite=args.overwrite, on_chunk=_progress(),
+                         force=args.force)
     print(_summary_line(summary))
     return 0

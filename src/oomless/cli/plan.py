@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", choices=["speed", "memory"], default="speed")
     p.add_argument("--top", type=POSITIVE, default=5, help="plans shown (default 5)")
     p.add_argument("--out", metavar="DIR", help="write the best plan's files here")
+    p.add_argument("--force", action="store_true",
+                   help="--out may hold files oomless did not write; those it replaces are "
+                   "kept as NAME.orig")
     p.add_argument("--json", action="store_true", help="print the PlanResult as JSON")
     p.add_argument("--assumptions", action="store_true", help="list every assumption")
     more = p.add_argument_group("the run to keep")
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, lora_r=args.lora_r)
     spec, req = request_from_options(opts)
     result = plan(spec, req)
-    written = write_best(result, req, spec, args.out) if args.out else []
+    written = (write_best(result, req, spec, args.out, args.force, (args.model, args.data))
+               if args.out else [])
     if args.json:
         import json
 

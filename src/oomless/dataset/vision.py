@@ -43,7 +43,8 @@ class VisionProcessor:
 def load_processor(model_dir: Path, trust_remote_code: bool = False) -> VisionProcessor:
     from transformers import AutoProcessor
 
-    proc = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    proc = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code,
+                                         local_files_only=True)
     vocab = proc.tokenizer.get_vocab()
     wrap = (("<|vision_start|>", "<|vision_end|>")
             if "<|vision_start|>" in vocab and "<|vision_end|>" in vocab else ("", ""))

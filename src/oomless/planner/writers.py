@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig, dump_run_config
-from ..fileio import write_atomic
+from ..fileio import OutputFolder, refuse_inputs
 from ..knobs import ATTENTIONS, OPTIMIZERS
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
@@ -207,11 +207,21 @@ def vllm_engine_args(cfg: RunConfig, spec: ModelSpec, cluster: Cluster,
     return args
 
 
+PLAN_FILES = ("oomless.yaml", "deepspeed.json", "accelerate.yaml", "training_args.json",
+              "llamafactory.yaml", "vllm.json")
+
+
 def write_plan_files(out_dir: str | Path, cfg: RunConfig, spec: ModelSpec, cluster: Cluster,
-                     model_id: str, family: str = "") -> list[Path]:
-    """Write every file for one plan into ``out_dir``; return their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+                     model_id: str, family: str = "", force: bool = False,
+                     inputs: tuple[str | None, ...] = ()) -> list[Path]:
+    """Write every file for one plan into ``out_dir``; return their paths.
+
+    The folder is an :class:`~oomless.fileio.OutputFolder`: files of an earlier plan
+    are replaced (a stale deepspeed.json removed); a user's files there, or an input
+    of the plan, are never written over unless ``force`` (then kept as NAME.orig).
+    """
+    folder = OutputFolder(out_dir, force, "--out")
+    out = folder.path
     written: dict[str, str] = {"oomless.yaml": dump_run_config(cfg)}
     ds = deepspeed_config(cfg, spec)
     ds_name = str((out / "deepspeed.json").resolve()) if ds else None
@@ -225,8 +235,9 @@ def write_plan_files(out_dir: str | Path, cfg: RunConfig, spec: ModelSpec, clust
         llamafactory_config(cfg, spec, model_id, family, ds_name), sort_keys=False)
     written["vllm.json"] = json.dumps(vllm_engine_args(cfg, spec, cluster, model_id),
                                       indent=2) + "\n"
-    paths = []
-    for name, text in written.items():
-        write_atomic(out / name, text)
-        paths.append(out / name)
+    for name in written:
+        refuse_inputs(out / name, inputs, "--out")
+    folder.prepare(list(written), known=PLAN_FILES)
+    paths = [folder.write(name, text) for name, text in written.items()]
+    folder.finish()
     return paths

@@ -278,6 +278,18 @@ def load_run_dir(folder: Path, estimate_path: Path | None = None) -> ReportData:
     )
 
 
+def report_inputs(source: str | Path, estimate_path: str | Path | None = None) -> tuple[Path, ...]:
+    """Every file a report reads (and must never write over)."""
+    path = Path(source)
+    found = [Path(estimate_path)] if estimate_path else []
+    if path.is_dir():
+        names = MEMLOG_NAMES + EVENT_NAMES + CONFIG_NAMES + ESTIMATE_NAMES
+        found += [path / n for n in names if (path / n).exists()]
+    else:
+        found.append(path)
+    return tuple(found)
+
+
 def load_report_data(source: str | Path, estimate_path: str | Path | None = None) -> ReportData:
     """A run folder or a MemoryEstimate JSON file → ReportData."""
     path = Path(source)

@@ -117,7 +117,8 @@ def load_model(cfg: RunConfig, device: Any) -> tuple[Any, Path]:
     weights_dtype, compute_dtype = torch_dtypes(cfg, device.type)
     quant = _quantization_config(cfg, compute_dtype or torch.bfloat16, device.type)
     kwargs: dict[str, Any] = {"dtype": weights_dtype, "attn_implementation": ATTENTIONS[cfg.attn].hf_implementation,
-                              "trust_remote_code": cfg.training.trust_remote_code}
+                              "trust_remote_code": cfg.training.trust_remote_code,
+                              "local_files_only": True}
     if quant is not None:
         kwargs.update(quantization_config=quant, device_map={"": device.index or 0})
     from ..dataset.vision import is_vision_model

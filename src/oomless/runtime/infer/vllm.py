@@ -158,7 +158,10 @@ class VllmBackend:
         self.args, self.budget = engine_args(opts, resolve_model(opts.model).spec,
                                              gpu_spec_for(gpu_name, total), used)
         self.opts = opts
-        self.llm = LLM(**self.args)
+        from ..loading import resolve_model_dir
+
+        # vLLM loads from the local folder (a catalog name or id would reach the hub)
+        self.llm = LLM(**{**self.args, "model": str(resolve_model_dir(opts.model))})
         self.tokenizer = self.llm.get_tokenizer()
         self.params = SamplingParams(temperature=opts.temperature, top_p=opts.top_p,
                                      max_tokens=opts.max_new_tokens, seed=opts.seed)
