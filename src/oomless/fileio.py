@@ -397,6 +397,8 @@ class OutputFolder:
 
     def _ours(self, name: str) -> bool:
         entry, record = self.path / name, self.previous.get(name)
+        if record == ORIG:  # a user's file this command moved aside: kept, never replaced
+            return True
         if record == "dir":
             return entry.is_dir() and not entry.is_symlink()
         return (isinstance(record, str) and entry.is_file() and not entry.is_symlink()
@@ -416,7 +418,7 @@ class OutputFolder:
                 "choose an empty or new folder, or pass --force (files oomless would "
                 f"replace are then kept as NAME{ORIG}; others are left alone)")
         for name in in_way:
-            keep_orig(self.path / name)
+            self.written[keep_orig(self.path / name).name] = ORIG
         for name in present:
             if name not in foreign and name not in names and name in known:
                 self._remove(self.path / name)  # our own stale file of an earlier run
@@ -439,4 +441,6 @@ class OutputFolder:
         return self.path / name
 
     def finish(self) -> None:
-        write_json_atomic(self.path / self.MANIFEST, self.written)
+        kept = {n: ORIG for n, r in self.previous.items() if r == ORIG
+                and (self.path / n).exists()}
+        write_json_atomic(self.path / self.MANIFEST, {**kept, **self.written})
