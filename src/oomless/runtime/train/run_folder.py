@@ -153,6 +153,7 @@ class RunFolder:
         run_id = self.identity().get("run_id") if resume else uuid.uuid4().hex
         self._lock.acquire(str(run_id))
         try:
+            self._remove_leftovers()
             if resume:
                 if not run_id:
                     raise ConfigError(f"--resume: '{self.path / IDENTITY}' names no run id; "
@@ -178,6 +179,19 @@ class RunFolder:
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
+
+    def _remove_leftovers(self) -> None:
+        """Temporary folders and files of writers that died (we hold the lock: no live
+        writer is left): half-written checkpoints, final weights, files."""
+        for folder in (self.path, self.checkpoints):
+            if not folder.is_dir():
+                continue
+            for entry in folder.iterdir():
+                if entry.name.startswith(".") and entry.name.endswith((".tmp", ".old")):
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink(missing_ok=True)
 
     def _make_room(self, start_over: bool) -> None:
         entries = sorted(p.name for p in self.path.iterdir())
