@@ -18,12 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from train_helpers import tiny_run_config, trained_state
+from train_helpers import assert_same_run, tiny_run_config
 
 from oomless.config import dump_run_config
 from oomless.runtime.train.loop import train
-from oomless.runtime.train.memlog import read_events, read_steps
+from oomless.runtime.train.memlog import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -110,18 +109,10 @@ def _train_through(cfg_file: Path, run_dir: Path, interruptions: list) -> list[i
 
 
 def _assert_equals_reference(reference, run_dir: Path) -> None:
-    steps = read_steps(run_dir)
-    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-    assert [s["samples"] for s in steps] == [s["samples"] for s in read_steps(reference.run_dir)]
-    assert [s["loss"] for s in steps] == pytest.approx(reference.losses, abs=1e-5)
+    assert_same_run(reference, run_dir, atol=1e-5)  # another process: other thread counts
     assert [e["event"] for e in read_events(run_dir)].count("oom") == 1
     assert len({e["run_id"] for e in read_events(run_dir)}) == 1
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == STEPS
-    assert summary["first_loss"] == pytest.approx(reference.losses[0], abs=1e-5)
-    want, got = trained_state(reference.run_dir), trained_state(run_dir)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-4)
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == STEPS
     leftovers = [p.name for p in [*run_dir.iterdir(), *(run_dir / "checkpoints").iterdir()]
                  if p.name.endswith((".tmp", ".old"))]
     assert leftovers == []

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 import torch
-from train_helpers import trained_state
+from train_helpers import assert_same_run
 
 from oomless.errors import ConfigError
 from oomless.runtime.train import checkpoint as ckpt
@@ -52,16 +52,8 @@ def straight(tiny_model_dir, tmp_path_factory):
     return train(tiny_run_config(tiny_model_dir, out, **SETTINGS))
 
 
-def _assert_equal_runs(a, run_dir):
-    steps = read_steps(run_dir)
-    assert [s["step"] for s in steps] == list(range(1, 7))
-    assert [s["samples"] for s in steps] == [s["samples"] for s in read_steps(a.run_dir)]
-    assert [s["loss"] for s in steps] == pytest.approx(a.losses, abs=1e-6)
-    want, got = trained_state(a.run_dir), trained_state(run_dir)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["first_loss"] == pytest.approx(a.losses[0], abs=1e-6)
+def _assert_equal_runs(reference, run_dir):
+    assert_same_run(reference, run_dir)
 
 
 def test_a_new_run_refuses_a_folder_with_another_run_and_start_over_clears_it(

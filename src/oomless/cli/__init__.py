@@ -29,10 +29,18 @@ def _command_modules() -> list:
     return sorted(mods, key=lambda m: (getattr(m, "ORDER", 100), m.__name__))
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (what is wrong, where the help is) and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="oomless",
         description="Fine-tune LLMs without running out of GPU memory: "
         "estimate, plan, train, diagnose.",

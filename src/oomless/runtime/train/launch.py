@@ -104,7 +104,10 @@ def launch_command(config_file: str, acc_file: Path, args: Any) -> list[str]:
 
 def launch(cfg: RunConfig, args: Any) -> int:
     """Write the launch files and run ``accelerate launch`` (or print it with --dry-run)."""
+    from .run_folder import RunFolder
+
     run_dir = Path(cfg.training.output_dir)
+    RunFolder(run_dir).check_free()  # never rewrite the launch files of a training run
     acc_file = write_launch_files(cfg, run_dir, getattr(args, "machine_rank", 0) or 0,
                                   getattr(args, "main_process_ip", None),
                                   getattr(args, "main_process_port", 29500) or 29500)

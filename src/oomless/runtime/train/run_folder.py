@@ -50,6 +50,8 @@ RUN_FILES = (IDENTITY, LOCK, CONFIG, ESTIMATE, SUMMARY, MEMLOG, EVENTS, "eval.js
 RUN_DIRS = (ckpt.CHECKPOINTS, FINAL)
 # Entries that show a run trained here (the launch files alone do not).
 _RUN_TRACES = (IDENTITY, MEMLOG, EVENTS, SUMMARY, ckpt.CHECKPOINTS, FINAL)
+# Written by the launcher of a multi-GPU run just before its processes start: kept.
+_LAUNCH_FILES = ("accelerate.yaml", "deepspeed.json")
 
 
 @dataclass
@@ -172,6 +174,12 @@ class RunFolder:
     def release(self) -> None:
         self._lock.release()
 
+    def check_free(self) -> None:
+        """Refuse (ConfigError naming the holder) when a run is training in this folder."""
+        if (self.path / LOCK).is_file():
+            self._lock.acquire("probe")
+            self._lock.release()
+
     def identity(self) -> dict[str, Any]:
         path = self.path / IDENTITY
         try:
@@ -212,7 +220,8 @@ class RunFolder:
                 "checkpoints, logs and final weights), or choose another output_dir")
         for name in entries:
             entry = self.path / name
-            if name == LOCK or (name.startswith(".") and not name.endswith((".tmp", ".old"))):
+            if name in (LOCK, *_LAUNCH_FILES) or (name.startswith(".")
+                                                  and not name.endswith((".tmp", ".old"))):
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
