@@ -36,6 +36,13 @@ class _Parser(argparse.ArgumentParser):
         print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
         sys.exit(2)
 
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> object:
+        # argparse drops a "--" value (--cutoff-len=--) and returns [] unconverted
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            self.error(f"argument {'/'.join(action.option_strings)}: expected a value, "
+                       "got '--'")
+        return super()._get_values(action, arg_strings)
+
 
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
