@@ -1,34 +1,22 @@
-"""Files: atomic writes, guarded appends, and reads that fail with a message, not a traceback.
+"""Files: atomic writes, guarded appends, and reads that fail with a message.
 
-Writing. Every file oomless writes for later reading (run files, checkpoints'
-JSON, plan files, logs rewritten on resume, reports) goes through
-:func:`write_atomic`:
+Writing (:func:`write_atomic`, used for every file oomless writes): the data goes
+to a temporary file from :func:`tempfile.mkstemp` in the target's folder (an
+unpredictable name opened ``O_CREAT | O_EXCL``: a symlink planted at ``NAME.tmp``
+is never followed), is fsync'ed and ``os.replace``d over the target (a folder or a
+device such as ``/dev/null`` is refused), then the folder is fsync'ed. Folders
+(checkpoints, final weights) are built with :func:`new_temp_dir` and published
+with :func:`publish_dir`; logs are appended through :func:`open_append`
+(``O_NOFOLLOW``).
 
-1. the data goes to a temporary file created by :func:`tempfile.mkstemp` in the
-   target's own folder — an unpredictable name opened with ``O_CREAT | O_EXCL``,
-   so a symlink planted at a predictable ``NAME.tmp`` is never followed;
-2. the file is flushed and fsync'ed, then ``os.replace``d over the target (atomic
-   on POSIX within one file system); a target that is a folder or a device
-   (``/dev/null``) is refused, never replaced;
-3. the folder is fsync'ed so that the rename itself survives a crash.
+Reading: :func:`read_text` (a regular file, UTF-8; a bad byte names the file and
+line), :func:`parse_json` (every JSON failure becomes the caller's error class)
+and :func:`read_jsonl` (JSON-lines logs split on ``\\n`` only; a torn last line
+is skipped and reported).
 
-Folders (checkpoints, final weights) are built the same way with
-:func:`tempfile.mkdtemp` and published with :func:`publish_dir`. Logs that grow
-line by line are opened with :func:`open_append` (``O_NOFOLLOW``: a symlink
-planted at the log's name is refused).
-
-Reading. :func:`read_text` reads a regular file as UTF-8 (a byte that is not
-UTF-8 is an error naming the file and line), :func:`parse_json` turns every
-JSON failure (syntax, nesting too deep, a number too long) into the caller's
-error class, and :func:`read_jsonl` reads a JSON-lines log tolerantly: lines
-are split on ``\\n`` only (U+2028 inside a record is text, not a line break),
-and a torn last line — a writer killed mid-line — is skipped and reported.
-
-Guarding. Nothing oomless writes replaces one of its inputs
-(:func:`refuse_inputs`) or a file it did not write, unless ``--force``; then the
-old file is kept as ``NAME.orig`` (:func:`keep_orig`). :class:`OutputFolder`
-keeps a manifest of what a command wrote into a folder, so a rerun replaces its
-own files but not the user's, and refuses a folder holding files it did not write.
+Guarding: nothing replaces one of a command's inputs (:func:`refuse_inputs`) or a
+file oomless did not write unless ``--force``, and then the old file is kept as
+``NAME.orig`` (:func:`keep_orig`, :class:`OutputFolder`).
 """
 
 from __future__ import annotations

@@ -205,3 +205,15 @@ def test_sigterm_then_resume_keeps_the_first_loss(straight, run_config):
     resumed = train(cfg, resume=True)
     assert resumed.first_loss == pytest.approx(straight.losses[0], abs=1e-6)
     _assert_equal_runs(straight, resumed.run_dir)
+
+
+def test_rich_markup_in_the_run_folder_is_printed_as_is(run_config, tmp_path, capsys):
+    from oomless.cli import main
+    from oomless.config import dump_run_config
+
+    cfg = run_config("run[link=file:x]x[/link]", **{"training.max_steps": 1})
+    path = tmp_path / "markup.yaml"
+    path.write_text(dump_run_config(cfg))
+    assert main(["train", str(path), "--no-progress"]) == 0
+    out = capsys.readouterr().out.replace("\n", "")
+    assert f"next: oomless report {cfg.training.output_dir}" in out
