@@ -82,9 +82,11 @@ def _next_flags(run_dir: Path, last_err: str) -> list[str]:
 
 def _train_through(cfg_file: Path, run_dir: Path, interruptions: list) -> list[int]:
     """Run until a run finishes; each planned interruption is a kill point (str) or a
-    (signal, seconds after start) pair. Returns the exit codes."""
-    codes, flags, err = [], ["--start-over"], ""
-    for plan in [*interruptions, None]:
+    (signal, seconds after start) pair. A refusal (exit 2) is answered as a user would
+    and does not use up an interruption. Returns the exit codes."""
+    codes, flags, pending = [], ["--start-over"], list(interruptions)
+    for _attempt in range(len(interruptions) + 6):
+        plan = pending[0] if pending else None
         proc = _start(cfg_file, flags, plan if isinstance(plan, str) else None)
         if isinstance(plan, tuple):
             sig, delay = plan
@@ -96,16 +98,16 @@ def _train_through(cfg_file: Path, run_dir: Path, interruptions: list) -> list[i
         codes.append(proc.returncode)
         assert "Traceback" not in err, err[-3000:]
         if proc.returncode == 0:
-            break  # finished (also when an interruption came too late to matter)
+            return codes  # finished (also when an interruption came too late to matter)
         # killed (-9), stopped by SIGTERM with a checkpoint (130) or before its handler
         # was installed (-15), or refused (2) with what to do next
         assert proc.returncode in (-signal.SIGKILL, -signal.SIGTERM, 130, 2), err[-3000:]
         if proc.returncode == 2:
             assert "no checkpoint" in err or "--start-over" in err, err[-3000:]
+        elif pending:
+            pending.pop(0)
         flags = _next_flags(run_dir, err)
-    else:
-        pytest.fail("the run never finished")
-    return codes
+    pytest.fail(f"the run never finished: exit codes {codes}")
 
 
 def _assert_equals_reference(reference, run_dir: Path) -> None:
