@@ -33,7 +33,8 @@ Stack = Literal["hf-trainer", "trl", "llamafactory", "axolotl", "swift", "unslot
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # NaN and infinity are refused in every float field (a NaN passes gt=0 checks)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class LoraConfig(_Section):
@@ -216,7 +217,12 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     """data["a"]["b"] = value for the key "a.b", creating sections as needed."""
     *parents, leaf = dotted.split(".")
     for p in parents:
-        data = data.setdefault(p, {})
+        if data.get(p) is None:  # absent, or an empty section in YAML ("hardware:")
+            data[p] = {}
+        if not isinstance(data[p], dict):
+            raise ConfigError(f"'{p}' is {data[p]!r}, not a section of keys; cannot set "
+                              f"'{dotted}' (write '{p}:' with its keys indented below)")
+        data = data[p]
     data[leaf] = value
 
 
@@ -255,27 +261,147 @@ def _key_lines(node: Any, prefix: str = "") -> dict[str, int]:
     return out
 
 
-def load_yaml_with_lines(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
+# A YAML file is a tree of nodes; anchors and aliases let a short file name the
+# same subtree many times. Configuration files hold hundreds of nodes: above
+# these bounds, the file is refused before anything builds or walks the
+# expanded tree (a 352-byte "billion laughs" expands to 10^9 nodes).
+MAX_YAML_NODES = 100_000
+MAX_YAML_DEPTH = 64
+_STR_TAG = "tag:yaml.org,2002:str"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError(f"cannot read '{path}': {err.strerror}") from None
+
+def _check_yaml_tree(root: Any, path: str | Path) -> None:
+    """Refuse alias cycles, expansion beyond MAX_YAML_NODES, deep nesting and keys that
+    are not names — on the node graph, where every alias is one shared node."""
+    import yaml
+
+    expanded: dict[int, int] = {}  # node id -> nodes it stands for, aliases expanded
+    depth_of: dict[int, int] = {}
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    active: set[int] = set()
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            active.discard(key)
+            kids = _yaml_children(node)
+            expanded[key] = 1 + sum(expanded[id(k)] for k in kids)
+            depth_of[key] = 1 + max((depth_of[id(k)] for k in kids), default=0)
+            if expanded[key] > MAX_YAML_NODES:
+                raise ConfigError(
+                    f"'{path}': its anchors and aliases expand to more than "
+                    f"{MAX_YAML_NODES:,} values (line {node.start_mark.line + 1}); a "
+                    "configuration file is far smaller: remove the repeated aliases")
+            if depth_of[key] > MAX_YAML_DEPTH:
+                raise ConfigError(f"'{path}': nested more than {MAX_YAML_DEPTH} levels deep "
+                                  f"(line {node.start_mark.line + 1})")
+            continue
+        if key in expanded:
+            continue
+        if key in active:
+            raise ConfigError(f"'{path}': an alias refers to itself (line "
+                              f"{node.start_mark.line + 1}); recursive YAML is not a configuration")
+        active.add(key)
+        stack.append((node, True))
+        if isinstance(node, yaml.MappingNode):
+            for key_node, _ in node.value:
+                if not (isinstance(key_node, yaml.ScalarNode)
+                        and key_node.tag in (_STR_TAG, _MERGE_TAG)):
+                    raise ConfigError(
+                        f"{path}:{key_node.start_mark.line + 1}: a key must be a name; "
+                        f"got {key_node.tag.rsplit(':', 1)[-1]} {_short(key_node)} (quote it)")
+        stack.extend((k, False) for k in _yaml_children(node) if id(k) not in expanded)
+
+
+def _yaml_children(node: Any) -> list[Any]:
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _short(node: Any) -> str:
+    value = node.value if isinstance(node.value, str) else "[...]"
+    return repr(value if len(value) <= 40 else value[:37] + "...")
+
+
+def load_yaml_with_lines(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """Read a YAML configuration file: UTF-8, size-bounded, then as parse_yaml_with_lines."""
+    from .fileio import MAX_CONFIG_BYTES, read_text
+
+    text = read_text(path, "configuration", ConfigError, MAX_CONFIG_BYTES)
     return parse_yaml_with_lines(text, path)
 
 
-def parse_yaml_with_lines(text: str, path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """A YAML mapping and the line of every dotted key; errors name the file."""
+def _yaml_loader() -> Any:
+    """libyaml's safe loader when PyYAML was built with it (fast), else the Python one."""
     import yaml
 
+    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _check_yaml_nesting(text: str, path: str | Path) -> None:
+    """Refuse nesting deeper than MAX_YAML_DEPTH from the event stream (iterative), before
+    any recursive composer runs: deep nesting overflows PyYAML's (and libyaml's) stack."""
+    import yaml
+
+    loader = _yaml_loader()(text)
+    depth = 0
     try:
-        data = yaml.safe_load(text) or {}
-        lines = _key_lines(yaml.compose(text))
+        while not loader.check_event(yaml.StreamEndEvent):
+            event = loader.get_event()
+            if isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    raise ConfigError(f"{path}:{event.start_mark.line + 1}: nested more than "
+                                      f"{MAX_YAML_DEPTH} levels deep; not a configuration")
+            elif isinstance(event, yaml.SequenceEndEvent | yaml.MappingEndEvent):
+                depth -= 1
+    finally:
+        loader.dispose()
+
+
+def parse_yaml_with_lines(text: str, path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """A YAML mapping and the line of every dotted key; errors name the file.
+
+    The one YAML entry point of oomless: safe types only (``SafeLoader``), the text
+    size-bounded, nesting checked on the event stream, and the node graph checked
+    (:func:`_check_yaml_tree`) before the document is built or its keys are walked.
+    """
+    import yaml
+
+    from .fileio import MAX_CONFIG_BYTES
+
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"'{path}' is {len(text):,} characters; a configuration file is "
+                          f"at most {MAX_CONFIG_BYTES:,}")
+    loader = None
+    try:
+        _check_yaml_nesting(text, path)
+        loader = _yaml_loader()(text)
+        root = loader.get_single_node()
+        if root is None:
+            return {}, {}
+        if not isinstance(root, yaml.MappingNode):
+            kind = "a list" if isinstance(root, yaml.SequenceNode) else "a single value"
+            raise ConfigError(f"'{path}': expected a mapping of keys at the top level, "
+                              f"got {kind}")
+        _check_yaml_tree(root, path)
+        data = loader.construct_document(root)
+        lines = _key_lines(root)
     except yaml.YAMLError as err:
         raise ConfigError(f"'{path}' is not valid YAML: {err}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"'{path}': expected a mapping of keys at the top level, got {type(data).__name__}")
+    except RecursionError:
+        raise ConfigError(f"'{path}': nested too deeply to be a configuration") from None
+    except (ValueError, TypeError, OverflowError) as err:  # int/timestamp constructors
+        raise ConfigError(f"'{path}': a value cannot be read ({err})") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
     return data, lines
 
 

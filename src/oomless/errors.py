@@ -34,6 +34,10 @@ class DataError(OomlessError):
     """A dataset that cannot be read or has bad records."""
 
 
+class OutputError(OomlessError):
+    """An output path that cannot be written, or must not be (an input, a user's file)."""
+
+
 class GPUUnavailableError(OomlessError):
     """A command that needs an NVIDIA GPU ran on a machine without one."""
 

@@ -167,7 +167,7 @@ def test_cli_infer(tiny_model, dataset, tmp_path, capsys) -> None:
     assert "5/10 records written" in captured.err
     assert main(argv) == 0 and "0 written, 10 already done" in capsys.readouterr().out
     assert main([*argv, "--top-p", "0"]) == 2
-    assert "--top-p 0.0: expected in (0, 1]" in capsys.readouterr().err
+    assert "--top-p: expected a finite number in (0, 1], got 0" in capsys.readouterr().err
     missing = ["infer", str(dataset), "--model", str(tmp_path / "nope"), "--out", str(out),
                "--backend", "hf", "--overwrite"]
     assert main(missing) == 2

@@ -60,8 +60,8 @@ def test_without_a_gpu_one_line_and_exit_1(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--interval", "0"], "--interval 0.0: expected seconds > 0"),
-    (["--count", "0"], "--count 0: expected at least 1"),
+    (["--interval", "0"], "--interval: expected a finite number in (0, 86400], got 0"),
+    (["--count", "0"], "--count: expected a whole number 1 or more, got 0"),
 ])
 def test_bad_options_are_user_errors(argv: list[str], match: str, capsys) -> None:
     assert main(["monitor", *argv]) == 2

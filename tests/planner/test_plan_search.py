@@ -138,8 +138,10 @@ def test_nothing_fits_exits_1_with_nearest_miss_and_hardware_that_fits(capsys):
 @pytest.mark.parametrize("argv,needle", [
     (["plan", "glm-4-9b", "--gpu", "rtx-9999"], "unknown GPU 'rtx-9999'"),
     (["plan", "glm-4-9b"], "needs the GPUs"),
-    (["plan", "glm-4-9b", "--gpu", "4090", "--effective-batch", "0"], "at least 1"),
-    (["plan", "glm-4-9b", "--gpu", "4090", "--headroom", "1.5"], "--headroom 1.5"),
+    (["plan", "glm-4-9b", "--gpu", "4090", "--effective-batch", "0"],
+     "--effective-batch: expected a whole number 1 or more, got 0"),
+    (["plan", "glm-4-9b", "--gpu", "4090", "--headroom", "1.5"],
+     "--headroom: expected a finite number in [0, 1), got 1.5"),
     (["plan", "glm-4-9b", "--gpu", "4090", "--data", "/nonexistent.jsonl"], "no such file"),
     (["plan", "no-such-model-xyz", "--gpu", "4090"], "no-such-model-xyz"),
 ])
@@ -160,7 +162,7 @@ def test_plan_cli_stays_torch_free_and_writes_files(tmp_path):
     assert tail == {"rc": 0, "heavy": []}
     assert {p.name for p in tmp_path.iterdir()} == {
         "oomless.yaml", "accelerate.yaml", "training_args.json", "llamafactory.yaml", "vllm.json",
-        "README.md"}
+        "README.md", ".oomless-files.json"}  # the manifest: reruns replace only these
 
 
 def _write_records(path, lengths_chars):

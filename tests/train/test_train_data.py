@@ -179,3 +179,24 @@ def test_json_array_lines_point_at_the_record(tmp_path, tiny_tokenizer):
 
 def test_record_to_messages_auto_detects():
     assert record_to_messages(SHAREGPT) == record_to_messages(MESSAGES) == record_to_messages(ALPACA)
+
+
+def test_one_rejected_file_per_input_always_written_with_the_raw_line(tmp_path, tiny_tokenizer):
+    run = tmp_path / "run"
+    skip = DataConfig(on_bad_record="skip")
+    train_file = _jsonl(tmp_path / "t.jsonl", [ALPACA, "{not json", {"text": "x"}])
+    eval_file = _jsonl(tmp_path / "e.jsonl", [ALPACA, {"instruction": "q"}])
+    load_examples(train_file, tiny_tokenizer, skip, 128, run_dir=run)
+    load_examples(eval_file, tiny_tokenizer, skip, 128, run, "eval_token_stats.json")
+    train_rows = [json.loads(x) for x in (run / "rejected.jsonl").read_text().splitlines()]
+    eval_rows = [json.loads(x) for x in (run / "eval_rejected.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in train_rows] == [2, 3] and [r["line"] for r in eval_rows] == [2]
+    assert train_rows[0]["raw"] == "{not json" and train_rows[0]["record"] is None
+    _jsonl(train_file, [ALPACA])  # fixed: the stale rejected file does not survive
+    load_examples(train_file, tiny_tokenizer, skip, 128, run_dir=run)
+    assert (run / "rejected.jsonl").read_text() == ""
+    _jsonl(train_file, ["{a", "{b"])  # every record rejected: still written, then the error
+    with pytest.raises(DataError, match=r"no usable records \(all 2 rejected\)"):
+        load_examples(train_file, tiny_tokenizer, skip, 128, run_dir=run)
+    assert [json.loads(x)["raw"] for x in (run / "rejected.jsonl").read_text().splitlines()] \
+        == ["{a", "{b"]

@@ -6,13 +6,11 @@ import os
 import signal
 
 import pytest
-import torch
-from train_helpers import trained_state
+from train_helpers import assert_same_run
 
 from oomless.errors import ConfigError
 from oomless.runtime.train.checkpoint import latest_checkpoint, read_state
 from oomless.runtime.train.loop import TrainingInterrupted, train
-from oomless.runtime.train.memlog import read_steps
 
 # LoRA dropout > 0 so that the restored RNG state matters
 SETTINGS = {"training.max_steps": 7, "lora.dropout": 0.1, "training.lr_scheduler": "cosine",
@@ -43,13 +41,7 @@ def test_sigterm_checkpoint_then_resume_equals_an_uninterrupted_run(run_config):
 
     resumed = train(cfg, resume=True)
     assert resumed.steps == 7
-    steps = read_steps(cfg_dir)
-    assert [s["step"] for s in steps] == list(range(1, 8))
-    assert [s["samples"] for s in steps] == [s["samples"] for s in read_steps(straight.run_dir)]
-    assert [s["loss"] for s in steps] == pytest.approx(straight.losses, abs=1e-6)
-    a, b = trained_state(straight.run_dir), trained_state(cfg_dir)
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=1e-5)
+    assert_same_run(straight, cfg_dir)
 
 
 def test_periodic_checkpoints_and_pruning(run_config):

@@ -30,3 +30,24 @@ def trained_state(run_dir):
     from safetensors.torch import load_file
 
     return load_file(str(run_dir / "final" / "adapter_model.safetensors"))
+
+
+def assert_same_run(reference, run_dir, atol=1e-6):
+    """``run_dir`` trained what the uninterrupted ``reference`` run did: each step once,
+    the same samples and losses, the same final adapter, the same first loss."""
+    import json
+
+    import pytest
+    import torch
+
+    from oomless.runtime.train.memlog import read_steps
+
+    steps = read_steps(run_dir)
+    assert [s["step"] for s in steps] == list(range(1, len(reference.losses) + 1))
+    assert [s["samples"] for s in steps] == [s["samples"] for s in read_steps(reference.run_dir)]
+    assert [s["loss"] for s in steps] == pytest.approx(reference.losses, abs=atol)
+    want, got = trained_state(reference.run_dir), trained_state(run_dir)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=atol, rtol=max(atol * 10, 1e-5))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["first_loss"] == pytest.approx(reference.losses[0], abs=atol)

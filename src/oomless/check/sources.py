@@ -72,8 +72,9 @@ def _json_source(path: Path, role: str, text: str) -> Source:
     try:
         data = json.loads(plain)
         lines = _json_lines(plain)
-    except (json.JSONDecodeError, ConfigError) as err:
-        raise ConfigError(f"'{path}' is not valid JSON: {err}") from None
+    except (ValueError, RecursionError, ConfigError) as err:  # ValueError: JSONDecodeError too
+        reason = "nested too deeply" if isinstance(err, RecursionError) else err
+        raise ConfigError(f"'{path}' is not valid JSON: {reason}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"'{path}': expected a JSON object at the top level")
     return Source(role, path, text, "json", data, lines)
@@ -101,13 +102,10 @@ def source_from_text(path: Path, role: str, text: str) -> Source:
 
 
 def load_source(path: str | Path, role: str) -> Source:
+    from ..fileio import MAX_CONFIG_BYTES, read_text
+
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"'{p}' is not UTF-8 text; save it as UTF-8") from None
-    except OSError as err:
-        raise ConfigError(f"cannot read '{p}': {err.strerror or err}") from None
+    text = read_text(p, "configuration", ConfigError, MAX_CONFIG_BYTES)  # UTF-8, bounded
     return source_from_text(p, role, text)
 
 

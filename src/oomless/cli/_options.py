@@ -9,6 +9,67 @@ from typing import Any, get_args
 from ..config import Offload, Precision
 from ..knobs import ATTENTIONS, METHODS, OPTIMIZERS
 
+# Counts and sizes above this are typing mistakes, not runs (2^40: a trillion).
+MAX_NUMBER = 2**40
+
+
+def count(low: int = 1, high: int = MAX_NUMBER):
+    """An argparse type: an integer in [low, high]; anything else is a usage error (exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            upper = f"to {high}" if high < MAX_NUMBER else "or more"
+            raise argparse.ArgumentTypeError(f"expected a whole number {low} {upper}"
+                                             f"{' (at most 2^40)' if value > high else ''}, "
+                                             f"got {value}")
+        return value
+
+    parse.__name__ = "count"
+    return parse
+
+
+def number(low: float = 0.0, high: float = MAX_NUMBER, low_open: bool = False,
+           high_open: bool = False):
+    """An argparse type: a finite number in the range (open ends excluded)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        too_low = value <= low if low_open else value < low
+        too_high = value >= high if high_open else value > high
+        if value != value or too_low or too_high:  # NaN fails every comparison
+            lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+            top = f"{high:g}" if high < MAX_NUMBER else "2^40"
+            raise argparse.ArgumentTypeError(f"expected a finite number in {lo}{low:g}, {top}{hi},"
+                                             f" got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+POSITIVE = count(1)
+NON_NEGATIVE = count(0)
+GIB = number(0.0, MAX_NUMBER, low_open=True)  # a memory size in GiB, > 0
+FRACTION = number(0.0, 1.0, high_open=True)  # [0, 1)
+UTILIZATION = number(0.0, 1.0, low_open=True)  # (0, 1]
+
+
+def lora_targets(text: str) -> list[str] | str:
+    """--lora-targets: comma-separated module names, or all-linear."""
+    from ..errors import ConfigError
+
+    targets = [t.strip() for t in text.split(",") if t.strip()]
+    if not targets:
+        raise ConfigError(f"--lora-targets {text!r} names no module; give module names "
+                          "(q_proj,v_proj) or all-linear")
+    return "all-linear" if targets == ["all-linear"] else targets
+
+
 # flag → dotted RunConfig key
 _FLAG_KEYS = {
     "method": "method", "precision": "precision", "optim": "optimizer",
@@ -30,25 +91,25 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", choices=list(get_args(Precision)))
     g.add_argument("--optim", choices=list(OPTIMIZERS))
     g.add_argument("--quant", choices=["nf4", "fp4", "int8"], help="QLoRA quantization (nf4)")
-    g.add_argument("--batch-size", type=int, help="micro batch per GPU")
-    g.add_argument("--grad-accum", type=int)
-    g.add_argument("--seq-len", type=int, help="tokens per sample")
+    g.add_argument("--batch-size", type=POSITIVE, help="micro batch per GPU")
+    g.add_argument("--grad-accum", type=POSITIVE)
+    g.add_argument("--seq-len", type=POSITIVE, help="tokens per sample")
     g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--attn", choices=list(ATTENTIONS))
-    g.add_argument("--lora-r", type=int)
-    g.add_argument("--lora-dropout", type=float)
+    g.add_argument("--lora-r", type=POSITIVE)
+    g.add_argument("--lora-dropout", type=FRACTION)
     g.add_argument("--lora-targets", help="comma-separated module names, or all-linear")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
     g.add_argument("--offload", choices=list(get_args(Offload)))
     g.add_argument("--gpu", help="GPU and count: 4090x8, 'a100-40gb x8' (see `oomless gpus`), "
                    "or a size: 12gb, 24GiB x2")
-    g.add_argument("--gpu-memory-gb", type=float, metavar="GB",
+    g.add_argument("--gpu-memory-gb", type=GIB, metavar="GB",
                    help="a generic GPU with this much memory (GB = 10^9 bytes); same as --gpu 12gb")
-    g.add_argument("--nodes", type=int)
-    g.add_argument("--host-ram-gb", type=float, help="host RAM per node (offload)")
-    g.add_argument("--eval-batch-size", type=int)
-    g.add_argument("--max-new-tokens", type=int, help="generation during evaluation")
-    g.add_argument("--images", type=int, help="images per sample (vision-language models)")
+    g.add_argument("--nodes", type=POSITIVE)
+    g.add_argument("--host-ram-gb", type=GIB, help="host RAM per node (offload)")
+    g.add_argument("--eval-batch-size", type=POSITIVE)
+    g.add_argument("--max-new-tokens", type=NON_NEGATIVE, help="generation during evaluation")
+    g.add_argument("--images", type=NON_NEGATIVE, help="images per sample (vision-language models)")
     g.add_argument("--expandable-segments", action="store_true",
                    help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
@@ -75,9 +136,8 @@ def run_config_from_args(args: argparse.Namespace):
         value = getattr(args, flag, None)
         if value is not None:
             set_dotted(data, key, value)
-    if args.lora_targets:
-        targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
-        set_dotted(data, "lora.targets", "all-linear" if targets == ["all-linear"] else targets)
+    if args.lora_targets is not None:
+        set_dotted(data, "lora.targets", lora_targets(args.lora_targets))
     if args.quant:
         set_dotted(data, "quantization.bits", 8 if args.quant == "int8" else 4)
         if args.quant != "int8":

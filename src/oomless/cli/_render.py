@@ -21,6 +21,14 @@ def console():
     return Console(highlight=False)
 
 
+def esc(value: object) -> str:
+    """A user's text (a path, a model name, a message) shown as is: rich markup in it
+    (``run[link=...]x[/link]``) is escaped, never interpreted."""
+    from rich.markup import escape
+
+    return escape(str(value))
+
+
 def verdict(est: MemoryEstimate) -> str:
     if est.fits is None:
         return f"Needs {fmt_bytes(est.device_peak_bytes)} per GPU (add --gpu to check a fit)."
@@ -39,7 +47,7 @@ def render_estimate(est: MemoryEstimate, show_assumptions: bool = False) -> None
     out = console()
     cfg = est.config
     out.print(
-        f"[bold]{est.model}[/] · {fmt_count(est.param_count)} params, "
+        f"[bold]{esc(est.model)}[/] · {fmt_count(est.param_count)} params, "
         f"{fmt_count(est.trainable_params)} trainable · {cfg['method']} · {cfg['precision']} · "
         f"micro batch {cfg['micro_batch_size']} × seq {cfg['seq_len']}"
         f"{' · grad ckpt' if cfg['grad_ckpt'] else ''} · attn {cfg['attn']}"
@@ -76,7 +84,7 @@ def render_assumptions(out, assumptions, show: bool) -> None:
     if show:
         out.print("[bold]assumptions[/]")
         for a in assumptions:
-            out.print(f"  - {a}")
+            out.print(f"  - {esc(a)}")
     else:
         out.print(f"[dim]{len(assumptions)} assumptions: --assumptions to list them, "
                   "--json for all fields[/]")

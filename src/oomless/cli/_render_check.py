@@ -48,15 +48,14 @@ def _verdict(r: Any, out: Any) -> None:
 
 
 def render_check(r: Any, done: list[str] = ()) -> None:  # type: ignore[assignment]
-    from rich.markup import escape
-
-    from ._render import console
+    from ._render import console, esc
 
     out = console()
     out.soft_wrap = True  # long lines stay whole: paths, keys and numbers are copied from here
-    out.print(f"[bold]{r.label}[/] {', '.join(r.files)} · {r.model} on {r.hardware}", soft_wrap=True)
+    out.print(f"[bold]{r.label}[/] {esc(', '.join(r.files))} · {esc(r.model)} on {r.hardware}",
+              soft_wrap=True)
     for warning in r.warnings:
-        out.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
+        out.print(f"[yellow]warning:[/] {esc(warning)}", soft_wrap=True, highlight=False)
     out.print(f"read as: {read_as(r.config)}", soft_wrap=True)
     phases = ", ".join(
         f"{p} {fmt_bytes(v)}" + (" [red]✗[/]" if v > r.gpu_memory_bytes else "")
@@ -79,13 +78,13 @@ def render_check(r: Any, done: list[str] = ()) -> None:  # type: ignore[assignme
         out.print("no change this file can express fits; run `oomless plan` for other "
                   "methods, GPUs or sharding")
     for line in r.refused:
-        out.print(f"[dim]not proposed: {escape(line)}[/]", soft_wrap=True, highlight=False)
+        out.print(f"[dim]not proposed: {esc(line)}[/]", soft_wrap=True, highlight=False)
     for line in done:
-        out.print(escape(line), soft_wrap=True)
+        out.print(esc(line), soft_wrap=True)
     for note in r.notes:
-        out.print(f"[dim]note: {escape(note)}[/]", soft_wrap=True, highlight=False)
+        out.print(f"[dim]note: {esc(note)}[/]", soft_wrap=True, highlight=False)
     for a in r.assumptions[:len(r.assumptions) - _planner_assumptions()]:
-        out.print(f"[dim]assumption: {escape(a)}[/]", soft_wrap=True, highlight=False)
+        out.print(f"[dim]assumption: {esc(a)}[/]", soft_wrap=True, highlight=False)
 
 
 def _planner_assumptions() -> int:

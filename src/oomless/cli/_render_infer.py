@@ -51,10 +51,10 @@ def budget_verdict(b: Any) -> str:
 
 
 def render_vllm(model: str, gpu_name: str, b: Any, args: dict[str, Any]) -> None:
-    from ._render import console
+    from ._render import console, esc
 
     out = console()
-    out.print(f"[bold]{model}[/] · vLLM on {gpu_name} ({fmt_bytes(b.total_memory_bytes)}) · "
+    out.print(f"[bold]{esc(model)}[/] · vLLM on {gpu_name} ({fmt_bytes(b.total_memory_bytes)}) · "
               f"max_model_len {b.max_model_len:,} · max_num_seqs {b.max_num_seqs}", soft_wrap=True)
     rows = [("weights (with LoRA slots)" if args.get("enable_lora") else "weights",
              b.weights_bytes, ""),
@@ -70,10 +70,10 @@ def render_vllm(model: str, gpu_name: str, b: Any, args: dict[str, Any]) -> None
 
 
 def render_generate(model: str, est: Any, gpu: Any | None) -> None:
-    from ._render import console
+    from ._render import console, esc
 
     out = console()
-    out.print(f"[bold]{model}[/] · transformers generate()", soft_wrap=True)
+    out.print(f"[bold]{esc(model)}[/] · transformers generate()", soft_wrap=True)
     rows = [("weights", est.weights_bytes, ""), ("KV cache", est.kv_cache_bytes, ""),
             ("prefill activations", est.activations_bytes, ""),
             ("logits (last token, fp32)", est.logits_bytes, ""),

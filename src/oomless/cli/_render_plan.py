@@ -58,21 +58,21 @@ def plan_lines(i: int, p: Any) -> list[str]:
 
 
 def render_plan(result: Any, written: list[str], show_assumptions: bool = False) -> None:
-    from ._render import console
+    from ._render import console, esc
 
     out = console()
-    out.print(f"[bold]{result.model}[/] on {result.hardware} · effective batch "
+    out.print(f"[bold]{esc(result.model)}[/] on {result.hardware} · effective batch "
               f"{result.effective_batch} · budget {fmt_bytes(result.budget_bytes)} per GPU · "
               f"objective {result.objective}")
     rate = result.searched / result.elapsed_s if result.elapsed_s else 0
     out.print(f"searched {result.searched:,} configurations ({result.evaluated:,} estimated) "
               f"in {result.elapsed_s:.2f} s ({rate:,.0f}/s); {result.fitting:,} fit")
     for note in result.notes:
-        out.print(f"[dim]note: {note}[/]")
+        out.print(f"[dim]note: {esc(note)}[/]")
     if result.data:
         d = result.data
         out.print(f"data: {d['samples']} samples, tokens p50 {d['p50']} / p95 {d['p95']} / "
-                  f"p99 {d['p99']} / max {d['max']} ({d['source']})")
+                  f"p99 {d['p99']} / max {d['max']} ({esc(d['source'])})")
     if result.plans:
         out.print("[bold]plans that fit, best first[/]")
         for i, p in enumerate(result.plans, start=1):
@@ -85,7 +85,7 @@ def render_plan(result: Any, written: list[str], show_assumptions: bool = False)
     for s in result.suggestions:
         out.print(f"[green]would fit:[/] {s}")
     for path in written:
-        out.print(f"wrote {path}")
+        out.print(f"wrote {esc(path)}")
     render_assumptions(out, result.assumptions, show_assumptions)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._options import FRACTION, GIB, NON_NEGATIVE, POSITIVE
+
 ORDER = 31
 
 
@@ -24,18 +26,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "JSON, or a configuration and its accelerate config)")
     p.add_argument("--gpu", help="GPU and count: 4090x8, 'a100-40gb x8' (see `oomless gpus`); "
                    "a bare name takes the count from the file (accelerate, launcher)")
-    p.add_argument("--nodes", type=int)
+    p.add_argument("--nodes", type=POSITIVE)
     p.add_argument("--model", help="the model, where the file does not name it (GLM-4, "
                    "DeepSpeed/TrainingArguments) or to override it")
-    p.add_argument("--seq-len", type=int, help="tokens per sample (DeepSpeed/TrainingArguments)")
+    p.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (DeepSpeed/TrainingArguments)")
     p.add_argument("--method", choices=["full", "lora", "qlora"],
                    help="DeepSpeed/TrainingArguments/accelerate only (default full)")
-    p.add_argument("--images", type=int, help="images per sample (vision-language)")
+    p.add_argument("--images", type=NON_NEGATIVE, help="images per sample (vision-language)")
     p.add_argument("--data", metavar="FILE", help="the training data (.json/.jsonl/.parquet): "
                    "estimate at its longest sample instead of the cutoff")
-    p.add_argument("--headroom", type=float, default=0.10,
+    p.add_argument("--headroom", type=FRACTION, default=0.10,
                    help="fraction of GPU memory the fix keeps free (default 0.10)")
-    p.add_argument("--host-ram-gb", type=float, help="host RAM per node (offload)")
+    p.add_argument("--host-ram-gb", type=GIB, help="host RAM per node (offload)")
     p.add_argument("--strict", action="store_true",
                    help="refuse keys that no version of the file's tool knows (default: warn)")
     p.add_argument("--write", action="store_true",

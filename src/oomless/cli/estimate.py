@@ -8,7 +8,7 @@ ORDER = 10
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ._options import add_run_options
+    from ._options import POSITIVE, UTILIZATION, add_run_options
 
     p = sub.add_parser(
         "estimate",
@@ -24,9 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     inf = p.add_argument_group("inference (--inference)")
     inf.add_argument("--inference", action="store_true", help="estimate inference instead")
     inf.add_argument("--engine", choices=["hf", "vllm"], default="vllm")
-    inf.add_argument("--max-model-len", type=int, help="vLLM: default seq-len + max-new-tokens")
-    inf.add_argument("--max-num-seqs", type=int, default=256)
-    inf.add_argument("--gpu-memory-utilization", type=float)
+    inf.add_argument("--max-model-len", type=POSITIVE, help="vLLM: default seq-len + max-new-tokens")
+    inf.add_argument("--max-num-seqs", type=POSITIVE, default=256)
+    inf.add_argument("--gpu-memory-utilization", type=UTILIZATION)
     inf.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.set_defaults(func=run)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._options import POSITIVE, UTILIZATION, count, number
+
 ORDER = 80
 
 
@@ -22,34 +24,37 @@ def _common(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder (PEFT)")
     p.add_argument("--backend", choices=("auto", "vllm", "hf"), default="auto",
                    help="auto: vLLM when installed and a GPU is visible, else transformers")
-    p.add_argument("--cutoff-len", type=int, default=1024,
+    p.add_argument("--cutoff-len", type=POSITIVE, default=1024,
                    help="prompt tokens kept (longer prompts keep their end; default 1024)")
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+    p.add_argument("--max-new-tokens", type=POSITIVE, default=max_new_tokens,
                    help=f"tokens generated per record (default {max_new_tokens})")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--chunk-size", type=int, default=64,
+    p.add_argument("--temperature", type=number(0.0, 100.0), default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=UTILIZATION, default=1.0)
+    p.add_argument("--seed", type=count(0, 2**63 - 1), default=42)
+    p.add_argument("--chunk-size", type=POSITIVE, default=64,
                    help="records per written chunk (default 64)")
-    p.add_argument("--batch-size", type=int,
+    p.add_argument("--batch-size", type=POSITIVE,
                    help="transformers: sequences per generate call (default: from the "
                    "memory model on a GPU, 8 on CPU)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="vLLM: concurrent sequences")
-    p.add_argument("--gpu-memory-utilization", type=float,
+    p.add_argument("--max-num-seqs", type=POSITIVE, default=256, help="vLLM: concurrent sequences")
+    p.add_argument("--gpu-memory-utilization", type=UTILIZATION,
                    help="vLLM: override the utilization the memory model computes")
     p.add_argument("--dtype", default="auto", help="auto, bf16, fp16 or fp32")
     p.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                    help="feed the text as is, without the tokenizer's chat template")
     p.add_argument("--system", help="a system message for every prompt")
     p.add_argument("--id-field", help="key records by this field instead of their line")
-    p.add_argument("--limit", type=int, help="process at most N new records this run")
+    p.add_argument("--limit", type=POSITIVE, help="process at most N new records this run")
     p.add_argument("--overwrite", action="store_true", help="start OUT again from scratch")
+    p.add_argument("--force", action="store_true",
+                   help="OUT (or --kept) exists but was not written by oomless: replace it, "
+                   "keeping the old file as FILE.orig")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--engine-args", action="store_true",
                    help="print the vLLM engine arguments the memory model computes, and stop")
     p.add_argument("--gpu", help="with --engine-args: size for this catalog GPU instead of "
                    "the one NVML sees")
-    p.add_argument("--gpu-used-gb", type=float, default=0.0,
+    p.add_argument("--gpu-used-gb", type=number(0.0), default=0.0,
                    help="with --gpu: GiB other processes already use on it")
 
 
@@ -64,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Score every record 1-5 with a judge model, write every score to OUT and "
         "the records scoring at least --min-score to --kept (data cleaning).")
     _common(s, max_new_tokens=16)
-    s.add_argument("--min-score", type=int, default=4, help="keep records scoring ≥ this (1-5)")
+    s.add_argument("--min-score", type=count(1, 5), default=4, help="keep records scoring ≥ this (1-5)")
     s.add_argument("--kept", metavar="FILE", help="kept records (default OUT.kept.jsonl)")
     s.add_argument("--judge-prompt", metavar="FILE", help="judge prompt template with "
                    "{instruction} and {response} (or {record}); default: a 1-5 rubric")
@@ -102,6 +107,12 @@ def _print_engine_args(args: argparse.Namespace, opts) -> int:
 
     if args.gpu:
         gpu, used = get_gpu(args.gpu), int(args.gpu_used_gb * GiB)
+        if used >= gpu.memory_bytes:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"--gpu-used-gb {args.gpu_used_gb:g}: {gpu.display_name} has "
+                              f"{fmt_bytes(gpu.memory_bytes)} in all; give what other "
+                              "processes use, less than that")
     else:
         try:
             name, total, used = device_memory()
@@ -153,7 +164,7 @@ def _run_infer(args: argparse.Namespace) -> int:
         return _print_engine_args(args, opts)
     _need_files(args)
     summary = infer_file(args.data, args.out, opts, overwrite=args.overwrite,
-                         on_chunk=_progress())
+                         on_chunk=_progress(), force=args.force)
     print(_summary_line(summary))
     return 0
 
@@ -168,16 +179,13 @@ def _run_score(args: argparse.Namespace) -> int:
     _need_files(args)
     template = DEFAULT_JUDGE_PROMPT
     if args.judge_prompt:
-        from pathlib import Path
-
         from ..errors import ConfigError
+        from ..fileio import read_text
 
-        try:
-            template = Path(args.judge_prompt).read_text(encoding="utf-8")
-        except OSError as err:
-            raise ConfigError(f"--judge-prompt '{args.judge_prompt}': {err.strerror}") from None
+        template = read_text(args.judge_prompt, "--judge-prompt", ConfigError, 2**20)
         check_judge_template(template, f"'{args.judge_prompt}'")
     summary = score_file(args.data, args.out, opts, min_score=args.min_score, kept=args.kept,
-                         template=template, overwrite=args.overwrite, on_chunk=_progress())
+                         template=template, overwrite=args.overwrite, on_chunk=_progress(),
+                         force=args.force)
     print(_summary_line(summary))
     return 0

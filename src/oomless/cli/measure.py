@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._options import count
+
 ORDER = 21
 
 
@@ -20,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_run_options(p)
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps to run (≥ 2)")
+    p.add_argument("--steps", type=count(2, 10_000), default=3, help="optimizer steps to run (≥ 2)")
     p.add_argument("--alloc-conf", metavar="CONF",
                    help="CPU only: PYTORCH_CUDA_ALLOC_CONF to simulate")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._options import POSITIVE, number
+
 ORDER = 70
 
 
@@ -15,10 +17,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "a warning when the GPUs of one job hold unequal memory. Exits 1 without an NVIDIA GPU.",
     )
     p.add_argument("--once", action="store_true", help="print one reading and exit")
-    p.add_argument("--interval", type=float, default=2.0, metavar="S",
+    p.add_argument("--interval", type=number(0.0, 86_400.0, low_open=True), default=2.0, metavar="S",
                    help="seconds between readings (default 2)")
     p.add_argument("--csv", metavar="FILE", help="append every reading to this CSV file")
-    p.add_argument("--count", type=int, metavar="N", help="stop after N readings")
+    p.add_argument("--count", type=POSITIVE, metavar="N", help="stop after N readings")
     p.set_defaults(func=_run)
 
 
@@ -40,8 +42,9 @@ def _table(snapshot, warnings: list[str]):
             for p in g.processes
         ) or "-"
         util = "-" if g.utilization_pct is None else str(g.utilization_pct)
-        table.add_row(str(g.index), g.name, fmt_bytes(g.used_bytes), fmt_bytes(g.total_bytes),
-                      Text(f"{100 * share:.0f}", style=style), util, procs)
+        table.add_row(str(g.index), Text(g.name), fmt_bytes(g.used_bytes),
+                      fmt_bytes(g.total_bytes), Text(f"{100 * share:.0f}", style=style), util,
+                      Text(procs))  # Text: process names are shown as is, never as markup
     return Group(table, *(Text(f"warning: {w}", style="yellow") for w in warnings))
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._options import FRACTION, GIB, NON_NEGATIVE, POSITIVE
+
 ORDER = 30
 
 
@@ -19,26 +21,29 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="catalog name, HF id in the local cache, config.json/folder, or an "
                    "oomless.yaml whose run is kept (its method stays unless --method)")
     p.add_argument("--gpu", help="GPU and count: 4090, 'a100-80gb x8' (see `oomless gpus`)")
-    p.add_argument("--nodes", type=int, help="number of nodes (default 1)")
+    p.add_argument("--nodes", type=POSITIVE, help="number of nodes (default 1)")
     p.add_argument("--data", help="training file (.json/.jsonl/.parquet): real lengths")
-    p.add_argument("--seq-len", type=int,
+    p.add_argument("--seq-len", type=POSITIVE,
                    help="tokens per sample (with --data: the longest allowed)")
-    p.add_argument("--effective-batch", type=int,
+    p.add_argument("--effective-batch", type=POSITIVE,
                    help="samples per optimizer step over all GPUs (default 16)")
     p.add_argument("--method", choices=["auto", "full", "lora", "qlora"], default="auto")
-    p.add_argument("--headroom", type=float, default=0.10,
+    p.add_argument("--headroom", type=FRACTION, default=0.10,
                    help="fraction of GPU memory kept free (default 0.10)")
     p.add_argument("--objective", choices=["speed", "memory"], default="speed")
-    p.add_argument("--top", type=int, default=5, help="plans shown (default 5)")
+    p.add_argument("--top", type=POSITIVE, default=5, help="plans shown (default 5)")
     p.add_argument("--out", metavar="DIR", help="write the best plan's files here")
+    p.add_argument("--force", action="store_true",
+                   help="--out may hold files oomless did not write; those it replaces are "
+                   "kept as NAME.orig")
     p.add_argument("--json", action="store_true", help="print the PlanResult as JSON")
     p.add_argument("--assumptions", action="store_true", help="list every assumption")
     more = p.add_argument_group("the run to keep")
-    more.add_argument("--host-ram-gb", type=float, help="host RAM per node (offload)")
-    more.add_argument("--images", type=int, help="images per sample (vision-language)")
-    more.add_argument("--eval-batch-size", type=int)
-    more.add_argument("--max-new-tokens", type=int, help="generation during evaluation")
-    more.add_argument("--lora-r", type=int, help="LoRA rank (fixed)")
+    more.add_argument("--host-ram-gb", type=GIB, help="host RAM per node (offload)")
+    more.add_argument("--images", type=NON_NEGATIVE, help="images per sample (vision-language)")
+    more.add_argument("--eval-batch-size", type=POSITIVE)
+    more.add_argument("--max-new-tokens", type=NON_NEGATIVE, help="generation during evaluation")
+    more.add_argument("--lora-r", type=POSITIVE, help="LoRA rank (fixed)")
     p.set_defaults(func=run)
 
 
@@ -54,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, lora_r=args.lora_r)
     spec, req = request_from_options(opts)
     result = plan(spec, req)
-    written = write_best(result, req, spec, args.out) if args.out else []
+    written = (write_best(result, req, spec, args.out, args.force, (args.model, args.data))
+               if args.out else [])
     if args.json:
         import json
 

@@ -22,6 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--estimate", metavar="ESTIMATE.json",
                    help="with a run folder: the estimate to compare against "
                    "(default: RUN_DIR/estimate.json when present)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing FILE.html that is not an oomless report "
+                   "(kept as FILE.html.orig)")
     p.set_defaults(func=_run)
 
 
@@ -34,19 +37,29 @@ def _default_out(source: str) -> str:
     return str(path.with_suffix(".html"))
 
 
+def console_note(note: str) -> None:
+    import sys
+
+    print(f"note: {note}", file=sys.stderr)
+
+
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ..report import load_report_data, write_report
+    from ..report import load_report_data, report_inputs, write_report
     from ..units import fmt_bytes
 
     data = load_report_data(args.source, args.estimate)
-    out = write_report(data, args.out or _default_out(args.source))
+    out = write_report(data, args.out or _default_out(args.source), force=args.force,
+                       inputs=report_inputs(args.source, args.estimate))
+    for note in data.notes:
+        console_note(note)
     console = Console(stderr=False)
     parts = [f"{len(data.steps)} steps", f"{len(data.events)} events"]
     if data.measured_peak_bytes is not None:
         parts.append(f"measured peak {fmt_bytes(data.measured_peak_bytes)}")
     if data.predicted_peak_bytes:
         parts.append(f"predicted {fmt_bytes(data.predicted_peak_bytes)}")
-    console.print(f"wrote {out} ({', '.join(parts)})", highlight=False, soft_wrap=True)
+    console.print(f"wrote {out} ({', '.join(parts)})", markup=False, highlight=False,
+                  soft_wrap=True)
     return 0

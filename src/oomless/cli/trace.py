@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._options import NON_NEGATIVE
+
 ORDER = 20
 
 
@@ -23,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="trace every layer instead of two and extrapolating (slower)")
     p.add_argument("--alloc-conf", metavar="CONF",
                    help="PYTORCH_CUDA_ALLOC_CONF to simulate (default: the environment's)")
-    p.add_argument("--modules", type=int, default=0, metavar="N",
+    p.add_argument("--modules", type=NON_NEGATIVE, default=0, metavar="N",
                    help="also list the N modules with the highest peak")
     p.add_argument("--json", action="store_true", help="print the MemoryEstimate as JSON")
     p.add_argument("--assumptions", action="store_true", help="list every approximation")
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
 def render_trace_extra(est, top: int) -> None:
     from ..units import fmt_bytes
-    from ._render import console
+    from ._render import console, esc
 
     out = console()
     extra = est.extra
@@ -69,7 +71,7 @@ def render_trace_extra(est, top: int) -> None:
         out.print(f"[dim]traced layers {extra['layers_traced']} in {extra['trace_seconds']} s; "
                   f"allocator {extra['allocator']['config']}[/]")
     if extra.get("trace_fallback"):
-        out.print(f"[yellow]no trace:[/] {extra['trace_fallback']}")
+        out.print(f"[yellow]no trace:[/] {esc(extra['trace_fallback'])}")
     modules = extra.get("per_module_peak") or {}
     if top and modules:
         from rich.table import Table

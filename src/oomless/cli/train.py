@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ._options import NON_NEGATIVE, count
+
 ORDER = 40
 
 
@@ -20,6 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("config", metavar="CONFIG.yaml", help="run configuration (see docs/config.md)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in training.output_dir")
+    p.add_argument("--start-over", action="store_true",
+                   help="the output_dir holds another run: delete its checkpoints, logs and "
+                   "final weights and start a new run there")
     p.add_argument("--auto-fit", action="store_true",
                    help="if the run is predicted not to fit, apply the best plan that does")
     p.add_argument("--output-dir", metavar="DIR", help="override training.output_dir")
@@ -27,9 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="with several GPUs: write the launch files, print the command, stop")
     m = p.add_argument_group("several nodes (hardware.nodes > 1; run on every node)")
-    m.add_argument("--machine-rank", type=int, default=0, help="this node's rank (0 = main)")
+    m.add_argument("--machine-rank", type=NON_NEGATIVE, default=0, help="this node's rank (0 = main)")
     m.add_argument("--main-process-ip", metavar="IP", help="address of the rank-0 node")
-    m.add_argument("--main-process-port", type=int, default=29500, metavar="PORT")
+    m.add_argument("--main-process-port", type=count(1, 65535), default=29500, metavar="PORT")
     p.set_defaults(func=_run)
 
 
@@ -52,15 +57,17 @@ def quiet_libraries() -> None:
 def render_summary(out: Any, result: Any) -> None:
     from ..runtime.train.memlog import read_events
     from ..units import fmt_bytes
+    from ._render import esc
 
     losses = result.losses
     if losses:
-        out.print(f"  loss {losses[0]:.3f} -> {losses[-1]:.3f} over {result.steps} steps "
+        first = result.first_loss if result.first_loss is not None else losses[0]
+        out.print(f"  loss {first:.3f} -> {losses[-1]:.3f} over {result.steps} steps "
                   f"(micro batch now {result.micro_batch_size}"
                   f"{', gradient checkpointing on' if result.grad_ckpt else ''})")
     for e in read_events(result.run_dir):
         if e["event"] in ("oom", "eval_oom", "auto_fit", "resume"):
-            out.print(f"  [yellow]{e['event']}[/] step {e['step']}: {e['message']}")
+            out.print(f"  [yellow]{e['event']}[/] step {e['step']}: {esc(e['message'])}")
     if result.eval_losses:
         out.print(f"  eval loss {result.eval_losses[-1]:.3f}")
     predicted = fmt_bytes(result.predicted_peak_bytes) if result.predicted_peak_bytes else "n/a"
@@ -70,7 +77,7 @@ def render_summary(out: Any, result: Any) -> None:
     else:
         out.print(f"  peak memory: predicted {predicted} per GPU; measured: n/a on CPU "
                   "(set training.memory_budget_gb to track a simulated GPU)")
-    out.print(f"  run folder {result.run_dir} (memlog.jsonl, events.jsonl, checkpoints/, final/)")
+    out.print(f"  run folder {esc(result.run_dir)} (memlog.jsonl, events.jsonl, checkpoints/, final/)")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -88,12 +95,17 @@ def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     quiet_libraries()
     from ..runtime.train.loop import train
-    from ._render import console
+    from ._render import console, esc
 
     out = console()
+    if args.resume and args.start_over:
+        from ..errors import ConfigError
+
+        raise ConfigError("--resume continues the run in output_dir, --start-over deletes it: "
+                          "give one of them")
     result = train(cfg, resume=args.resume, auto_fit=args.auto_fit,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, start_over=args.start_over)
     if int(os.environ.get("RANK", "0")) == 0:
         render_summary(out, result)
-        out.print(f"next: oomless report {result.run_dir}")
+        out.print(f"next: oomless report {esc(result.run_dir)}")
     return 0

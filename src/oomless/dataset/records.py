@@ -21,7 +21,7 @@ from typing import Any
 
 from ..config import DataConfig
 from ..errors import DataError
-from ..fileio import write_atomic, write_json_atomic
+from ..fileio import read_text, split_lines, write_atomic, write_json_atomic
 from .formats import CHAT_TEMPLATE, FORMATS, RecordError, detect_format, record_to_messages
 
 __all__ = ["FORMATS", "IGNORE_INDEX", "BadRecord", "Example", "LoadedData", "RecordError",
@@ -38,6 +38,7 @@ class BadRecord:
     line: int  # 1-based line of the record (Parquet: row)
     reason: str
     record: Any = None
+    raw: str | None = None  # the text of a line that is not JSON
 
     def describe(self) -> str:
         return f"{self.file}:{self.line}: {self.reason}"
@@ -73,6 +74,13 @@ class LoadedData:
 
 
 # ---- reading ----------------------------------------------------------------
+def _invalid(message: str, raw: str) -> RecordError:
+    """A record that is not JSON, carrying its text (written to the rejected file)."""
+    err = RecordError(message)
+    err.raw = raw  # type: ignore[attr-defined]
+    return err
+
+
 def _json_array_records(text: str, path: str) -> Iterator[tuple[int, Any]]:
     """Elements of a top-level JSON array with the line each starts on."""
     decoder = json.JSONDecoder()
@@ -93,35 +101,54 @@ def _json_array_records(text: str, path: str) -> Iterator[tuple[int, Any]]:
         except json.JSONDecodeError as err:
             raise DataError(f"{path}:{err.lineno}: invalid JSON ({err.msg}); "
                             "the rest of the array cannot be read") from None
+        except (ValueError, RecursionError) as err:
+            reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+            raise DataError(f"{path}:{line}: unreadable JSON ({reason}); "
+                            "the rest of the array cannot be read") from None
         yield line, obj
 
 
+def _jsonl_records(text: str) -> Iterator[tuple[int, Any]]:
+    """Records of JSON-lines text, split on "\\n" only (fileio.split_lines)."""
+    for line_no, line in split_lines(text):
+        try:
+            yield line_no, json.loads(line)
+        except json.JSONDecodeError as err:
+            yield line_no, _invalid(f"invalid JSON ({err.msg} at column {err.colno})", line)
+        except (ValueError, RecursionError) as err:
+            reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+            yield line_no, _invalid(f"invalid JSON ({reason})", line)
+
+
+def _parquet_rows(p: Path) -> list[dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(p).to_pylist()
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"'{p}' is not a readable Parquet file ({err})") from None
+
+
 def iter_raw_records(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
-    """(line, record) pairs; a JSONL line that is not JSON yields a RecordError."""
+    """(line, record) pairs; a JSONL line that is not JSON yields a RecordError
+    (its ``raw`` attribute holds the line's text)."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise DataError(f"data file '{p}' not found; set data.train_file to a "
                         ".json, .jsonl or .parquet file")
     suffix = p.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        yield from enumerate(pq.read_table(p).to_pylist(), start=1)
+        yield from enumerate(_parquet_rows(p), start=1)
         return
-    text = p.read_text(encoding="utf-8")
-    if suffix == ".json":
-        yield from _json_array_records(text, str(p))
-    elif suffix == ".jsonl":
-        for line_no, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as err:
-                yield line_no, RecordError(f"invalid JSON ({err.msg} at column {err.colno})")
-    else:
+    if suffix not in (".json", ".jsonl"):
         raise DataError(f"data file '{p}': unsupported extension '{suffix}'; "
                         "expected .json, .jsonl or .parquet")
+    text = read_text(p, "data file", DataError)
+    if suffix == ".json":
+        yield from _json_array_records(text, str(p))
+    else:
+        yield from _jsonl_records(text)
 
 
 # ---- tokenization -----------------------------------------------------------------
@@ -244,13 +271,22 @@ def token_length_stats(examples: list[Example]) -> dict[str, Any]:
     }
 
 
-def _write_rejected(run_dir: Path, bad: list[BadRecord]) -> Path:
-    path = run_dir / "rejected.jsonl"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, "".join(
-        json.dumps({"file": b.file, "line": b.line, "reason": b.reason, "record": b.record},
-                   ensure_ascii=False, default=str) + "\n" for b in bad))
-    return path
+def rejected_name(stats_name: str) -> str:
+    """rejected.jsonl for the training file, eval_rejected.jsonl for the eval file."""
+    return stats_name.replace("token_stats.json", "rejected.jsonl")
+
+
+def _write_rejected(path: Path, bad: list[BadRecord]) -> Path:
+    """Every rejected record with its line, reason and text; written (empty when none
+    were) on every load, so a file from an earlier run never survives."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for b in bad:
+        row = {"file": b.file, "line": b.line, "reason": b.reason, "record": b.record}
+        if b.raw is not None:
+            row["raw"] = b.raw
+        rows.append(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+    return write_atomic(path, "".join(rows))
 
 
 # ---- the entry point ---------------------------------------------------------------------
@@ -295,13 +331,17 @@ def load_examples(path: str | os.PathLike[str], tokenizer: Any, data: DataConfig
                                                 data.max_output_length, seq_len))
         except RecordError as err:
             bad.append(BadRecord(str(path), line, str(err),
-                                 None if isinstance(raw, RecordError) else raw))
+                                 None if isinstance(raw, RecordError) else raw,
+                                 getattr(raw, "raw", None)))
+    rejected = None
+    if run_dir is not None:
+        rejected = _write_rejected(Path(run_dir) / rejected_name(stats_name), bad)
     if bad and data.on_bad_record == "error":
         listed = "\n  ".join(b.describe() for b in bad[:MAX_LISTED_BAD])
         more = f"\n  ... and {len(bad) - MAX_LISTED_BAD} more" if len(bad) > MAX_LISTED_BAD else ""
         raise DataError(f"{len(bad)} bad record(s) in '{path}':\n  {listed}{more}\n"
                         "fix them, or set data.on_bad_record: skip to train without them "
-                        "(each is then written with its reason to rejected.jsonl)")
+                        f"(each is then written with its reason to {rejected_name(stats_name)})")
     if not examples:
         raise DataError(f"'{path}' holds no usable records"
                         + (f" (all {len(bad)} rejected)" if bad else ""))
@@ -311,11 +351,8 @@ def load_examples(path: str | os.PathLike[str], tokenizer: Any, data: DataConfig
         examples = pack_examples(examples, seq_len)
         stats["packed_sequences"] = len(examples)
     if run_dir is not None:
-        run = Path(run_dir)
-        if bad:
-            stats["rejected_file"] = str(_write_rejected(run, bad))
-        run.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(run / stats_name, stats)
+        stats["rejected_file"] = str(rejected)
+        write_json_atomic(Path(run_dir) / stats_name, stats)
     return LoadedData(str(path), examples, bad, stats)
 
 
@@ -323,7 +360,8 @@ def load_tokenizer(model_path: str, trust_remote_code: bool = False) -> Any:
     """The tokenizer of a local folder or cached hub id, offline."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code,
+                                        local_files_only=True)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -11,7 +11,6 @@ tokens (labels -100), and feeds the processor's pixel tensors at collate time.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,12 @@ PLACEHOLDER = "<image>"
 
 
 def is_vision_model(model_dir: Path) -> bool:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return "vision_config" in config
+    from ..errors import ModelConfigError
+    from ..fileio import read_json
+
+    config = read_json(Path(model_dir) / "config.json", "a model config (JSON object)",
+                       ModelConfigError)
+    return isinstance(config, dict) and "vision_config" in config
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,8 @@ class VisionProcessor:
 def load_processor(model_dir: Path, trust_remote_code: bool = False) -> VisionProcessor:
     from transformers import AutoProcessor
 
-    proc = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    proc = AutoProcessor.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code,
+                                         local_files_only=True)
     vocab = proc.tokenizer.get_vocab()
     wrap = (("<|vision_start|>", "<|vision_end|>")
             if "<|vision_start|>" in vocab and "<|vision_end|>" in vocab else ("", ""))

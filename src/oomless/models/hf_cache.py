@@ -5,7 +5,6 @@ Offline only: the Hugging Face cache is read from disk, nothing is downloaded.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -48,12 +47,10 @@ def find_cached_config(model_id: str) -> Path | None:
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ModelConfigError(f"{path}: not valid JSON ({err}). Expected a config.json.") from err
-    except OSError as err:
-        raise ModelConfigError(f"{path}: cannot read ({err.strerror}).") from err
+    """A config.json (UTF-8, size-bounded, valid JSON); failures name the file."""
+    from ..fileio import read_json
+
+    data = read_json(path, "a config.json (a JSON object)", ModelConfigError)
     if not isinstance(data, dict):
         raise ModelConfigError(f"{path}: expected a JSON object (a config.json).")
     return data

@@ -22,9 +22,49 @@ from typing import Any
 from ..errors import ModelConfigError
 from .spec import ModelSpec
 
+# ---- values a config.json may hold --------------------------------------------------
+# Sizes and counts oomless reads: whole numbers (an integral float such as 4096.0 is
+# accepted), at least 1 (or 0 where zero means "none"), at most 2^31 - 1. NaN,
+# Infinity, 1e308, strings, lists, booleans, 0 heads or a negative hidden size are
+# refused with the field and the file named, instead of sizing a nonsense model.
+MAX_CONFIG_INT = 2**31 - 1
+_AT_LEAST_ONE = frozenset({
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+    "padded_vocab_size", "num_layers", "kv_channels", "ffn_hidden_size",
+    "multi_query_group_num", "seq_length", "patch_size", "image_size", "depth", "num_heads",
+    "embed_dim", "num_positions", "temporal_patch_size", "spatial_merge_size",
+    "in_channels", "in_chans", "num_channels", "out_hidden_size"})
+_AT_LEAST_ZERO = frozenset({"num_local_experts", "num_experts", "shared_expert_intermediate_size",
+                            "sliding_window"})  # transformers' Qwen2-MoE writes 0 when unused
+_POSITIVE_REAL = frozenset({"mlp_ratio", "layernorm_epsilon", "rms_norm_eps"})
+
+
+def _checked(key: str, value: Any, where: str) -> Any:
+    """``value`` of field ``key`` if it is a sensible one (see above); else an error."""
+    import math
+
+    if key in _POSITIVE_REAL:
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not math.isfinite(value) or value <= 0:
+            raise ModelConfigError(f"{where}: '{key}' is {value!r}; expected a positive number")
+        return value
+    low = 1 if key in _AT_LEAST_ONE else 0 if key in _AT_LEAST_ZERO else None
+    if low is None:
+        return value
+    whole = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, float) and math.isfinite(value) and value.is_integer())
+    if not whole or not low <= value <= MAX_CONFIG_INT:
+        raise ModelConfigError(
+            f"{where}: '{key}' is {value!r}; expected a whole number from {low} to "
+            f"{MAX_CONFIG_INT:,}. Fix the config.json (the model's released one has it right).")
+    return int(value)
+
 
 class ConfigFields:
-    """A config dict plus where it came from, so errors can name both."""
+    """A config dict plus where it came from, so errors can name both. Every value read
+    through :meth:`need` and :meth:`get` is checked by :func:`_checked`."""
 
     def __init__(self, config: dict[str, Any], where: str, defaults: dict | None = None):
         if not isinstance(config, dict):
@@ -41,7 +81,7 @@ class ConfigFields:
         """The first of ``keys`` that is set; a missing field is a ModelConfigError."""
         for key in keys:
             if self.config.get(key) is not None:
-                return self.config[key]
+                return _checked(key, self.config[key], self.where)
         for key in keys:
             if key in self.defaults:
                 if key not in self.defaulted:
@@ -58,7 +98,7 @@ class ConfigFields:
     def get(self, key: str, default: Any = None) -> Any:
         value = self.config.get(key)
         if value is not None:
-            return value
+            return _checked(key, value, self.where)
         if key in self.defaults and key not in self.defaulted:
             self.defaulted.append(key)
         return self.defaults.get(key, default)

@@ -165,13 +165,16 @@ def model_id_for(text: str) -> tuple[str, str]:
     return text, ""
 
 
-def write_best(result: PlanResult, req: PlanRequest, spec: ModelSpec, out_dir: str) -> list[str]:
-    """Write the best plan's files (oomless.yaml, deepspeed.json when ZeRO, ...)."""
+def write_best(result: PlanResult, req: PlanRequest, spec: ModelSpec, out_dir: str,
+               force: bool = False, inputs: tuple[str | None, ...] = ()) -> list[str]:
+    """Write the best plan's files (oomless.yaml, deepspeed.json when ZeRO, ...);
+    ``inputs`` (the plan's own files) are never written over."""
     from .writers import write_plan_files
 
     if not result.plans:
         return []
     cfg = result.best.run_config()
     model_id, family = model_id_for(cfg.model)
-    paths = write_plan_files(out_dir, cfg, spec, req.cluster, model_id, family, data=req.data)
+    paths = write_plan_files(out_dir, cfg, spec, req.cluster, model_id, family, data=req.data,
+                             force=force, inputs=inputs)
     return [str(p) for p in paths]

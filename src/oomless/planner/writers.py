@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig, dump_run_config
-from ..fileio import write_atomic
+from ..fileio import OutputFolder, refuse_inputs
 from ..knobs import ATTENTIONS, OPTIMIZERS
 from ..memory.inference import EngineRequest, needs_remote_code
 from ..memory.inference import vllm_engine_args as vllm_engine_args_for
@@ -252,12 +252,22 @@ def readme(cfg: RunConfig, files: list[str], placeholder: bool, steps: int | Non
     return "\n".join(lines)
 
 
+PLAN_FILES = ("oomless.yaml", "deepspeed.json", "accelerate.yaml", "training_args.json",
+              "llamafactory.yaml", "vllm.json", "README.md")
+
+
 def write_plan_files(out_dir: str | Path, cfg: RunConfig, spec: ModelSpec, cluster: Cluster,
-                     model_id: str, family: str = "", data: Any = None) -> list[Path]:
+                     model_id: str, family: str = "", data: Any = None, force: bool = False,
+                     inputs: tuple[str | None, ...] = ()) -> list[Path]:
     """Write every file for one plan into ``out_dir``; return their paths. ``data``: the
-    DataProfile of `plan --data` (the file and its sample count), or None."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    DataProfile of `plan --data` (the file and its sample count), or None.
+
+    The folder is an :class:`~oomless.fileio.OutputFolder`: files of an earlier plan
+    are replaced (a stale deepspeed.json removed); a user's files there, or an input
+    of the plan, are never written over unless ``force`` (then kept as NAME.orig).
+    """
+    folder = OutputFolder(out_dir, force, "--out")
+    out = folder.path
     train_file = str(Path(data.file).resolve()) if data is not None else DATA_PLACEHOLDER
     cfg = cfg.replace(**{"data.train_file": train_file,
                          "training.trust_remote_code": cfg.training.trust_remote_code
@@ -278,8 +288,9 @@ def write_plan_files(out_dir: str | Path, cfg: RunConfig, spec: ModelSpec, clust
     written["vllm.json"] = json.dumps(vllm_engine_args(cfg, spec, cluster, model_id),
                                       indent=2) + "\n"
     written["README.md"] = readme(cfg, list(written), data is None, steps)
-    paths = []
-    for name, text in written.items():
-        write_atomic(out / name, text)
-        paths.append(out / name)
+    for name in written:
+        refuse_inputs(out / name, inputs, "--out")
+    folder.prepare(list(written), known=PLAN_FILES)
+    paths = [folder.write(name, text) for name, text in written.items()]
+    folder.finish()
     return paths

@@ -6,8 +6,9 @@ embedded in the file so that the report opens without network access.
 
 from __future__ import annotations
 
-from .data import ReportData, load_report_data
+from .data import ReportData, load_report_data, report_inputs
 from .html import render_html, write_report
 from .plotly_dep import require_plotly
 
-__all__ = ["ReportData", "load_report_data", "render_html", "require_plotly", "write_report"]
+__all__ = ["ReportData", "load_report_data", "render_html", "report_inputs", "require_plotly",
+           "write_report"]

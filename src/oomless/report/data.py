@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
+from ..fileio import read_json
+from ..fileio import read_jsonl as read_jsonl_file
 from ..result import MemoryEstimate
 
 MEMLOG_NAMES = ("memlog.jsonl", "memory.jsonl", "steps.jsonl")
@@ -80,6 +82,7 @@ class ReportData:
     estimate: MemoryEstimate | None = None
     config: dict[str, Any] = field(default_factory=dict)
     gpu_memory_bytes: int | None = None
+    notes: tuple[str, ...] = ()  # what the readers skipped (a torn last line)
 
     @property
     def num_devices(self) -> int:
@@ -189,52 +192,35 @@ def parse_event(obj: dict[str, Any]) -> RunEvent:
     )
 
 
-def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, object) of every line; a torn last line (crash) is skipped."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as err:
-        raise DataError(f"cannot read '{path}': {err.strerror}") from None
-    out = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):  # written while the run was killed
-                break
-            raise DataError(
-                f"{path}:{number}: not valid JSON; each line of a memory log is one JSON object"
-            ) from None
-        if not isinstance(obj, dict):
-            raise DataError(f"{path}:{number}: expected a JSON object, got {type(obj).__name__}")
-        out.append((number, obj))
-    return out
+def read_jsonl(path: Path, notes: list[str] | None = None) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) of every line (fileio.read_jsonl); a torn last line (a crash
+    mid-write) is skipped and noted in ``notes``; any other bad line is a DataError."""
+    log = read_jsonl_file(path, "memory log", DataError)
+    if log.bad:
+        raise DataError(f"{log.bad[0]}; each line of a run log is one JSON object"
+                        + (f" ({len(log.bad) - 1} more bad lines)" if len(log.bad) > 1 else ""))
+    if log.torn_line is not None and notes is not None:
+        notes.append(f"{path}:{log.torn_line}: a line torn by an interrupted write was skipped")
+    return log.rows
 
 
-def read_memlog(path: Path) -> tuple[StepRecord, ...]:
-    return tuple(parse_step(obj, f"{path}:{n}") for n, obj in read_jsonl(path))
+def read_memlog(path: Path, notes: list[str] | None = None) -> tuple[StepRecord, ...]:
+    return tuple(parse_step(obj, f"{path}:{n}") for n, obj in read_jsonl(path, notes))
 
 
-def read_events(path: Path) -> tuple[RunEvent, ...]:
-    return tuple(parse_event(obj) for _, obj in read_jsonl(path))
+def read_events(path: Path, notes: list[str] | None = None) -> tuple[RunEvent, ...]:
+    return tuple(parse_event(obj) for _, obj in read_jsonl(path, notes))
 
 
 def read_estimate(path: Path) -> MemoryEstimate:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as err:
-        raise DataError(f"cannot read '{path}': {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise DataError(f"'{path}' is not valid JSON ({err.msg}); expected the output "
-                        "of `oomless estimate --json`") from None
+    data = read_json(path, "the output of `oomless estimate --json`", DataError,
+                     max_bytes=None)
     if not isinstance(data, dict) or "breakdown" not in data or "peak_phase" not in data:
         raise DataError(f"'{path}' is not a MemoryEstimate; expected the output of "
                         "`oomless estimate --json` or `oomless trace --json`")
     try:
         return MemoryEstimate.from_dict(data)
-    except TypeError as err:
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
         raise DataError(f"'{path}': MemoryEstimate fields do not match ({err})") from None
 
 
@@ -243,10 +229,7 @@ def read_config(path: Path) -> dict[str, Any]:
         from ..config import load_yaml_with_lines
 
         return load_yaml_with_lines(path)[0]
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise DataError(f"cannot read the run configuration '{path}': {err}") from None
+    data = read_json(path, "a run configuration (JSON object)", DataError)
     return data if isinstance(data, dict) else {}
 
 
@@ -257,7 +240,8 @@ def _first(folder: Path, names: tuple[str, ...]) -> Path | None:
 def _gpu_memory(estimate: MemoryEstimate | None, config: dict[str, Any]) -> int | None:
     if estimate and estimate.gpu_memory_bytes:
         return estimate.gpu_memory_bytes
-    gpu = (config.get("hardware") or {}).get("gpu") if isinstance(config, dict) else None
+    hardware = config.get("hardware") if isinstance(config, dict) else None
+    gpu = hardware.get("gpu") if isinstance(hardware, dict) else None
     if not gpu:
         return None
     from ..errors import UnknownGPUError
@@ -281,15 +265,29 @@ def load_run_dir(folder: Path, estimate_path: Path | None = None) -> ReportData:
     estimate = read_estimate(estimate_path) if estimate_path else None
     config_path = _first(folder, CONFIG_NAMES)
     config = read_config(config_path) if config_path else (estimate.config if estimate else {})
+    notes: list[str] = []
     return ReportData(
         title=f"oomless run {folder.name}",
         source=str(folder),
-        steps=read_memlog(memlog) if memlog else (),
-        events=read_events(events) if events else (),
+        steps=read_memlog(memlog, notes) if memlog else (),
+        events=read_events(events, notes) if events else (),
         estimate=estimate,
         config=config,
         gpu_memory_bytes=_gpu_memory(estimate, config),
+        notes=tuple(notes),
     )
+
+
+def report_inputs(source: str | Path, estimate_path: str | Path | None = None) -> tuple[Path, ...]:
+    """Every file a report reads (and must never write over)."""
+    path = Path(source)
+    found = [Path(estimate_path)] if estimate_path else []
+    if path.is_dir():
+        names = MEMLOG_NAMES + EVENT_NAMES + CONFIG_NAMES + ESTIMATE_NAMES
+        found += [path / n for n in names if (path / n).exists()]
+    else:
+        found.append(path)
+    return tuple(found)
 
 
 def load_report_data(source: str | Path, estimate_path: str | Path | None = None) -> ReportData:

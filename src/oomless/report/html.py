@@ -6,7 +6,8 @@ import html
 from pathlib import Path
 from typing import Any
 
-from ..fileio import write_atomic
+from ..errors import OutputError
+from ..fileio import ORIG, check_output_file, ensure_folder, keep_orig, refuse_inputs, write_atomic
 from ..units import fmt_bytes, fmt_count
 from . import figures
 from .data import ReportData
@@ -140,7 +141,7 @@ def render_html(data: ReportData) -> str:
     title = html.escape(data.title)
     body = "\n".join(_sections(data))
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">{GENERATOR}"
         f"<title>{title}</title><style>{_STYLE}</style>"
         f"<script type=\"text/javascript\">{_plotly_js()}</script></head>\n<body>"
         f"<h1>{title}</h1><div class=\"source\">{html.escape(data.source)}</div>\n"
@@ -148,8 +149,29 @@ def render_html(data: ReportData) -> str:
     )
 
 
-def write_report(data: ReportData, out: str | Path) -> Path:
-    """Render and write atomically (oomless.fileio)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+GENERATOR = '<meta name="generator" content="oomless report">'
+
+
+def is_oomless_report(path: Path) -> bool:
+    """Whether ``path`` is a report this command wrote (its generator tag near the top)."""
+    try:
+        with open(path, "rb") as fh:
+            return GENERATOR.encode() in fh.read(4096)
+    except OSError:
+        return False
+
+
+def write_report(data: ReportData, out: str | Path, force: bool = False,
+                 inputs: tuple[Path, ...] = ()) -> Path:
+    """Render and write atomically (oomless.fileio). Never over an input; an existing
+    file that is not an oomless report is replaced only with ``force`` (kept as .orig)."""
+    out = check_output_file(out)
+    refuse_inputs(out, inputs, "--out")
+    if out.exists() and not is_oomless_report(out):
+        if not force:
+            raise OutputError(f"'{out}' exists and is not an oomless report; choose another "
+                              "--out, or pass --force (it is then kept as "
+                              f"{out.name}{ORIG})")
+        keep_orig(out)
+    ensure_folder(out.parent, "--out")
     return write_atomic(out, render_html(data))

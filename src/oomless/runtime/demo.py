@@ -8,12 +8,12 @@ One OOM is injected on purpose at step 10 so that the recovery shows.
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig, dump_run_config
+from ..fileio import OutputFolder, write_atomic
 from .tiny import build_tiny_model, demo_data_path
 
 DEMO_STEPS = 30
@@ -45,21 +45,29 @@ def demo_config(model_dir: Path, train_file: Path, eval_file: Path, run_dir: Pat
     })
 
 
-def prepare_demo(out_dir: str | Path) -> DemoFiles:
-    """Write the tiny model, the data and ``oomless.yaml`` under ``out_dir``."""
-    out = Path(out_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    model_dir = build_tiny_model(out / "tiny-qwen2")
-    data_dir = out / "data"
+DEMO_ENTRIES = ("tiny-qwen2", "data", "oomless.yaml", "run")
+
+
+def prepare_demo(out_dir: str | Path, force: bool = False) -> DemoFiles:
+    """Write the tiny model, the data and ``oomless.yaml`` under ``out_dir``.
+
+    The folder is an :class:`~oomless.fileio.OutputFolder`: an earlier demo's
+    entries are reused or replaced; anything else there is refused unless
+    ``force`` (then entries in the way are kept as NAME.orig, others left alone).
+    """
+    folder = OutputFolder(Path(out_dir).resolve(), force, "--out")
+    folder.prepare(list(DEMO_ENTRIES), known=DEMO_ENTRIES)
+    out = folder.path
+    model_dir = build_tiny_model(folder.own_dir("tiny-qwen2"))
+    data_dir = folder.own_dir("data")
     data_dir.mkdir(exist_ok=True)
-    train_file = data_dir / "demo_sft.jsonl"
-    shutil.copyfile(demo_data_path(), train_file)
-    eval_file = data_dir / "demo_eval.jsonl"
-    lines = train_file.read_text().splitlines()[:EVAL_RECORDS]
-    eval_file.write_text("".join(x + "\n" for x in lines))
-    cfg = demo_config(model_dir, train_file, eval_file, out / "run")
-    config_file = out / "oomless.yaml"
-    config_file.write_text(dump_run_config(cfg))
+    text = demo_data_path().read_text(encoding="utf-8")
+    train_file = write_atomic(data_dir / "demo_sft.jsonl", text)
+    lines = text.split("\n")[:EVAL_RECORDS]
+    eval_file = write_atomic(data_dir / "demo_eval.jsonl", "".join(x + "\n" for x in lines))
+    cfg = demo_config(model_dir, train_file, eval_file, folder.own_dir("run"))
+    config_file = folder.write("oomless.yaml", dump_run_config(cfg))
+    folder.finish()
     return DemoFiles(out, model_dir, train_file, eval_file, config_file, cfg)
 
 

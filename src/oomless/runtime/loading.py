@@ -7,7 +7,6 @@ configuration sets it, with a warning. Nothing here touches the network.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import warnings
@@ -60,8 +59,10 @@ def resolve_model_dir(model: str) -> Path:
 
 def check_remote_code(model_dir: Path, trust_remote_code: bool) -> None:
     """Models that ship Python code load only when the config says so."""
-    config = json.loads((model_dir / "config.json").read_text())
-    if "auto_map" not in config:
+    from ..fileio import read_json
+
+    config = read_json(model_dir / "config.json", "a model config (JSON object)", ConfigError)
+    if not isinstance(config, dict) or "auto_map" not in config:
         return
     if not trust_remote_code:
         raise ConfigError(
@@ -120,7 +121,8 @@ def load_model(cfg: RunConfig, device: Any) -> tuple[Any, Path]:
     weights_dtype, compute_dtype = torch_dtypes(cfg, device.type)
     quant = _quantization_config(cfg, compute_dtype or torch.bfloat16, device.type)
     kwargs: dict[str, Any] = {"dtype": weights_dtype, "attn_implementation": ATTENTIONS[cfg.attn].hf_implementation,
-                              "trust_remote_code": cfg.training.trust_remote_code}
+                              "trust_remote_code": cfg.training.trust_remote_code,
+                              "local_files_only": True}
     if quant is not None:
         kwargs.update(quantization_config=quant, device_map={"": device.index or 0})
     from ..dataset.vision import is_vision_model

@@ -210,10 +210,21 @@ class CsvLog:
     """Appends one row per GPU and sample; each sample is flushed to disk."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        from ..errors import OutputError
+        from ..fileio import check_output_file, cut_torn_tail, open_append
+
+        self.path = check_output_file(path)
         new = not self.path.exists() or self.path.stat().st_size == 0
+        if not new:
+            with open(self.path, encoding="utf-8", errors="replace", newline="") as fh:
+                header = fh.readline().rstrip("\r\n")
+            if header != ",".join(CSV_FIELDS):
+                raise OutputError(f"--csv '{self.path}' exists and is not a monitor log (its "
+                                  "first line is not our header); oomless appends only to "
+                                  "its own logs: choose another file")
+            cut_torn_tail(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = self.path.open("a", newline="")
+        self._fh = open_append(self.path)
         self._writer = csv.DictWriter(self._fh, fieldnames=CSV_FIELDS)
         if new:
             self._writer.writeheader()

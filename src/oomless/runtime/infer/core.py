@@ -22,8 +22,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ...errors import ConfigError, DataError
-from ...fileio import write_json_atomic
+from ...errors import ConfigError, DataError, OutputError
+from ...fileio import (
+    ORIG,
+    check_output_file,
+    cut_torn_tail,
+    ensure_folder,
+    keep_orig,
+    open_append,
+    read_json,
+    read_jsonl,
+    refuse_inputs,
+    write_json_atomic,
+)
 
 DEFAULT_JUDGE_PROMPT = (
     "You are a strict judge of instruction-tuning data. Rate how good the response is as an "
@@ -205,54 +216,98 @@ def _key(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
+def input_fingerprint(path: str | Path, size: int | None = None) -> dict[str, Any]:
+    """Size and SHA-256 of a dataset's first ``size`` bytes (all of it by default): a
+    rerun continues only on the same records (records appended at the end are fine)."""
+    import hashlib
+
+    digest, left = hashlib.sha256(), Path(path).stat().st_size if size is None else size
+    total = left
+    with open(path, "rb") as fh:
+        while left > 0:
+            block = fh.read(min(left, 1 << 20))
+            if not block:
+                break
+            digest.update(block)
+            left -= len(block)
+    return {"input_bytes": total - left, "input_sha256": digest.hexdigest()}
+
+
 class ResultLog:
-    """An append-only JSONL of results; each chunk is flushed and fsync'ed."""
+    """An append-only JSONL of results; each chunk is flushed and fsync'ed.
+
+    ``OUT.meta.json`` marks the file as ours and records the settings and the input
+    (its size and SHA-256): a rerun continues only with the same settings and, for
+    records keyed by line, an input that starts with the same bytes (records
+    appended at its end are new work). An OUT that is not ours is refused unless ``force`` (kept as .orig);
+    OUT is never one of ``inputs``.
+    """
 
     def __init__(self, path: str | Path, key_field: str, settings: dict[str, Any],
-                 overwrite: bool = False):
-        self.path = Path(path)
+                 overwrite: bool = False, source: str | Path | None = None,
+                 force: bool = False):
+        self.path = check_output_file(path)
         self.key_field = key_field
-        self.meta_path = self.path.with_name(self.path.name + ".meta.json")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.meta_path = check_output_file(self.path.with_name(self.path.name + ".meta.json"))
+        refuse_inputs(self.path, [source], "--out")
+        ensure_folder(self.path.parent, "--out")
+        if self.path.exists() and not self.meta_path.is_file():
+            if not force:
+                raise OutputError(f"--out '{self.path}' exists and was not written by oomless "
+                                  "(no .meta.json beside it); choose another --out, or pass "
+                                  f"--force (it is then kept as {self.path.name}{ORIG})")
+            keep_orig(self.path)
         if overwrite:
             self.path.unlink(missing_ok=True)
-        self._check_settings(settings)
+        self._check_settings(settings, source)
         self.done: set[str] = set()
         if self.path.exists():
-            self._repair_tail()
-            for number, line in enumerate(self.path.read_text().splitlines(), 1):
-                if line.strip():
-                    self.done.add(_key(self._row(line, number).get(key_field)))
+            cut_torn_tail(self.path)
+            log = read_jsonl(self.path, "results file", DataError)
+            if log.bad:
+                raise DataError(f"{log.bad[0]}; the output file was edited or is not ours: "
+                                "use another --out or --overwrite")
+            self.done = {_key(row.get(key_field)) for row in log.objects()}
 
-    def _row(self, line: str, number: int) -> dict[str, Any]:
-        try:
-            return json.loads(line)
-        except json.JSONDecodeError:
-            raise DataError(f"{self.path}:{number}: not valid JSON; the output file was "
-                            "edited or is not ours: use another --out or --overwrite") from None
-
-    def _check_settings(self, settings: dict[str, Any]) -> None:
-        if self.path.exists() and self.meta_path.exists():
-            before = json.loads(self.meta_path.read_text())
+    def _check_settings(self, settings: dict[str, Any], source: str | Path | None) -> None:
+        meta = dict(settings)
+        before: Any = {}
+        if self.meta_path.exists():
+            before = read_json(self.meta_path, "an oomless results meta file", DataError)
+            before = before if isinstance(before, dict) else {}
+            if before.get("kept"):
+                meta["kept"] = before["kept"]  # score's --kept file stays ours
+        if self.path.exists() and before:
             changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
             if changed:
                 what = ", ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in changed.items())
                 raise ConfigError(f"'{self.path}' holds results made with other settings ({what});"
                                   " use another --out, or --overwrite to start again")
-        write_json_atomic(self.meta_path, settings)
+            by_line = settings.get("id_field") is None  # ids find their records anywhere
+            if by_line and source and "input_sha256" in before and input_fingerprint(
+                    source, before.get("input_bytes"))["input_sha256"] != before["input_sha256"]:
+                raise ConfigError(f"'{self.path}' holds results of another input than "
+                                  f"'{source}' (the first {before.get('input_bytes')} bytes "
+                                  "differ); use another --out, or --overwrite to start again")
+        if source:
+            meta.update(input_fingerprint(source), input=str(Path(source).resolve()))
+        write_json_atomic(self.meta_path, meta)
 
-    def _repair_tail(self) -> None:
-        """Cut a line torn by a crash mid-write (everything after the last newline)."""
-        data = self.path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            with self.path.open("r+b") as fh:
-                fh.truncate(data.rfind(b"\n") + 1)
+    def owns(self, path: str | Path) -> bool:
+        """Whether ``path`` is a file an earlier run recorded as its own (score's --kept)."""
+        before = read_json(self.meta_path, "meta", DataError) if self.meta_path.is_file() else {}
+        return isinstance(before, dict) and before.get("kept") == str(Path(path).resolve())
+
+    def record(self, **fields: Any) -> None:
+        """Add ``fields`` to the meta file."""
+        meta = read_json(self.meta_path, "meta", DataError)
+        write_json_atomic(self.meta_path, {**meta, **fields})
 
     def is_done(self, key: Any) -> bool:
         return _key(key) in self.done
 
     def append(self, rows: list[dict[str, Any]]) -> None:
-        with self.path.open("a", encoding="utf-8") as fh:
+        with open_append(self.path) as fh:
             fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
             fh.flush()
             os.fsync(fh.fileno())

@@ -8,6 +8,7 @@ costs time, not results.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ...errors import OomlessError, UnknownModelError
@@ -50,14 +51,19 @@ class HFBackend:
         from transformers import AutoModelForCausalLM
 
         from ...dataset.records import load_tokenizer
+        from ..loading import resolve_model_dir
 
         self.opts = opts
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        model_dir = str(resolve_model_dir(opts.model))  # a local folder: never the network
+        if opts.adapter and not Path(opts.adapter).is_dir():
+            raise UnknownModelError(f"--adapter '{opts.adapter}' is not a folder; give a PEFT "
+                                    "LoRA folder (e.g. RUN/final of `oomless train`)")
         try:
-            self.tokenizer = load_tokenizer(opts.model, opts.trust_remote_code)
+            self.tokenizer = load_tokenizer(model_dir, opts.trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(
-                opts.model, dtype=_dtype(torch, opts, self.device == "cuda"),
+                model_dir, dtype=_dtype(torch, opts, self.device == "cuda"),
                 trust_remote_code=opts.trust_remote_code, local_files_only=True,
             )
         except OSError as err:
@@ -68,7 +74,7 @@ class HFBackend:
         if opts.adapter:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, opts.adapter)
+            model = PeftModel.from_pretrained(model, opts.adapter, local_files_only=True)
         self.model = model.to(self.device).eval()
         self.tokenizer.padding_side = "left"  # generation continues at the right edge
         self.batch_size = opts.batch_size or self._default_batch_size()

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError
-from ...fileio import write_atomic
+from ...errors import ConfigError, DataError, OutputError
+from ...fileio import check_output_file, keep_orig, read_jsonl, refuse_inputs, write_atomic
 from .core import (
     DEFAULT_JUDGE_PROMPT,
     Backend,
@@ -71,12 +71,14 @@ def _check_options(opts: InferOptions) -> None:
 
 
 def infer_file(data: str | Path, out: str | Path, opts: InferOptions, overwrite: bool = False,
-               backend: Backend | None = None, on_chunk: Progress | None = None) -> RunSummary:
+               backend: Backend | None = None, on_chunk: Progress | None = None,
+               force: bool = False) -> RunSummary:
     """Generate an answer for every record of ``data``; rows: line, prompt, predict, label."""
     _check_options(opts)
     items = read_items(data, opts.id_field)
     key = opts.id_field or "line"
-    log = ResultLog(out, key, {"task": "infer", **opts.output_settings()}, overwrite)
+    log = ResultLog(out, key, {"task": "infer", **opts.output_settings()}, overwrite, data,
+                    force)
 
     def build_row(item: Item, gen: Generation | None, error: str | None) -> dict[str, Any]:
         row = _base_row(item, opts)
@@ -96,7 +98,7 @@ def infer_file(data: str | Path, out: str | Path, opts: InferOptions, overwrite:
 def score_file(data: str | Path, out: str | Path, opts: InferOptions, min_score: int = 4,
                kept: str | Path | None = None, template: str = DEFAULT_JUDGE_PROMPT,
                overwrite: bool = False, backend: Backend | None = None,
-               on_chunk: Progress | None = None) -> RunSummary:
+               on_chunk: Progress | None = None, force: bool = False) -> RunSummary:
     """Score every record 1–5 with a judge model; write the records scoring ≥ min_score.
 
     ``out`` gets one row per record (line, score, judge output, the record);
@@ -108,7 +110,17 @@ def score_file(data: str | Path, out: str | Path, opts: InferOptions, min_score:
         raise ConfigError(f"--min-score {min_score}: scores run from 1 to 5")
     items = read_items(data, opts.id_field)
     settings = {"task": "score", "judge_prompt": template, **opts.output_settings()}
-    log = ResultLog(out, opts.id_field or "line", settings, overwrite)
+    kept_path = check_output_file(Path(kept) if kept else Path(out).with_suffix(".kept.jsonl"))
+    refuse_inputs(kept_path, [data, out], "--kept")
+    log = ResultLog(out, opts.id_field or "line", settings, overwrite, data, force)
+    refuse_inputs(kept_path, [log.meta_path], "--kept")
+    if kept_path.exists() and not log.owns(kept_path):
+        if not force:
+            raise OutputError(f"--kept '{kept_path}' exists and was not written by oomless "
+                              "score; choose another --kept, or pass --force (it is then kept "
+                              f"as {kept_path.name}.orig)")
+        keep_orig(kept_path)
+    log.record(kept=str(kept_path.resolve()))
 
     def build_row(item: Item, gen: Generation | None, error: str | None) -> dict[str, Any]:
         row = _base_row(item, opts)
@@ -121,7 +133,6 @@ def score_file(data: str | Path, out: str | Path, opts: InferOptions, min_score:
     backend = backend or open_backend(opts)
     summary = run_records(items, backend, log, opts, lambda r: judge_messages(r, template),
                           build_row, on_chunk)
-    kept_path = Path(kept) if kept else Path(out).with_suffix(".kept.jsonl")
     summary.kept, summary.unparsed = write_kept(Path(out), kept_path, min_score)
     summary.kept_file = str(kept_path)
     return summary
@@ -129,8 +140,8 @@ def score_file(data: str | Path, out: str | Path, opts: InferOptions, min_score:
 
 def write_kept(scored: Path, kept: Path, min_score: int) -> tuple[int, int]:
     """(kept, unparsed): records with score ≥ min_score, in input order, written atomically."""
-    rows = [json.loads(line) for line in scored.read_text().splitlines() if line.strip()]
-    rows.sort(key=lambda r: r["line"])
+    rows = read_jsonl(scored, "results file", DataError).objects()
+    rows.sort(key=lambda r: r.get("line", 0))
     good = [r["record"] for r in rows if isinstance(r.get("score"), int)
             and r["score"] >= min_score]
     unparsed = sum(1 for r in rows if r.get("score") is None and not r.get("error"))

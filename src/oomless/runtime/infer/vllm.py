@@ -12,7 +12,6 @@ with ``max_model_len = cutoff_len + max_new_tokens``.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -34,9 +33,13 @@ def adapter_rank(adapter: str | None) -> int:
     if not adapter:
         return 0
     path = Path(adapter) / "adapter_config.json"
+    from ...errors import OomlessError
+    from ...fileio import read_json
+
     try:
-        rank = json.loads(path.read_text()).get("r")
-    except (OSError, json.JSONDecodeError) as err:
+        config = read_json(path, "a PEFT adapter config")
+        rank = config.get("r") if isinstance(config, dict) else None
+    except OomlessError as err:
         raise ConfigError(f"--adapter '{adapter}': cannot read {path.name} ({err}); give a "
                           "PEFT LoRA folder as `oomless train` or peft save_pretrained writes") \
             from None
@@ -130,7 +133,10 @@ class VllmBackend:
         self.args, self.budget = engine_args(opts, resolve_model(opts.model).spec,
                                              gpu_spec_for(gpu_name, total), used)
         self.opts = opts
-        self.llm = LLM(**self.args)
+        from ..loading import resolve_model_dir
+
+        # vLLM loads from the local folder (a catalog name or id would reach the hub)
+        self.llm = LLM(**{**self.args, "model": str(resolve_model_dir(opts.model))})
         self.tokenizer = self.llm.get_tokenizer()
         self.params = SamplingParams(temperature=opts.temperature, top_p=opts.top_p,
                                      max_tokens=opts.max_new_tokens, seed=opts.seed)

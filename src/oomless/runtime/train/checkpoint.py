@@ -3,11 +3,19 @@
 Layout: ``RUN/checkpoints/step-000012/`` holding the adapter (PEFT) or the
 model (``save_pretrained``, safetensors), ``optimizer.pt``, ``scheduler.pt``,
 ``rng-rank{R}.pt`` (one per process; DeepSpeed: ``deepspeed/`` with each rank's
-optimizer partition) and ``trainer_state.json`` (step,
+optimizer partition), ``trainer_state.json`` (run id, configuration, step,
 current micro batch, checkpointing switch, sample schedule, fault-injection
-state). Everything is written into a temporary folder that is renamed into
+state) and ``manifest.json`` (size and SHA-256 of every other file, written
+last). Everything is written into a temporary folder that is renamed into
 place, so a checkpoint either exists completely or not at all. Several
 processes need a shared file system (rank 0 renames).
+
+Loading runs no code from the folder: every ``.pt`` file is read with
+``torch.load(weights_only=True)`` (the state is plain tensors, numbers and
+lists), and DeepSpeed's files, which DeepSpeed unpickles itself, are first
+read the same way with only DeepSpeed's own state classes allowed
+(:func:`check_pickles`). A checkpoint whose files do not match its manifest is
+skipped on resume in favour of an older one.
 """
 
 from __future__ import annotations
@@ -20,24 +28,35 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
-from ...fileio import new_temp_dir, publish_dir, write_json_atomic
+from ...fileio import new_temp_dir, publish_dir, sha256_file, write_json_atomic
 
 CHECKPOINTS = "checkpoints"
 STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used (corrupt, incomplete, or not plain data)."""
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINTS / f"step-{step:06d}"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def checkpoints_newest_first(run_dir: Path) -> list[Path]:
+    """Published checkpoint folders (step-N with a trainer state), newest first."""
     root = run_dir / CHECKPOINTS
     if not root.is_dir():
-        return None
+        return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
              if (m := _STEP_DIR.match(p.name)) and (p / STATE).is_file()]
-    return max(found)[1] if found else None
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = checkpoints_newest_first(run_dir)
+    return found[0] if found else None
 
 
 def rng_state() -> dict[str, Any]:
@@ -108,11 +127,50 @@ def write_rank_rng(tmp: Path, rank: int) -> None:
 
 
 def write_main(tmp: Path, scheduler: Any, state: dict[str, Any]) -> None:
-    """Rank 0: scheduler and the trainer state (written last)."""
+    """Rank 0: scheduler, the trainer state, then the manifest of every file (last)."""
     import torch
 
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     write_json_atomic(tmp / STATE, state)
+    files = sorted(p for p in tmp.rglob("*") if p.is_file() and p.name != MANIFEST)
+    write_json_atomic(tmp / MANIFEST, {str(p.relative_to(tmp)): [p.stat().st_size,
+                                                                 sha256_file(p)]
+                                       for p in files})
+
+
+def verify(folder: Path) -> str | None:
+    """Why ``folder`` cannot be trusted (a file missing, changed or torn), or None."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"no readable {MANIFEST} (incomplete, or written before manifests)"
+    if not isinstance(manifest, dict):
+        return f"{MANIFEST} is not a JSON object"
+    for name, entry in manifest.items():
+        path = folder / name
+        if not path.is_file() or path.is_symlink():
+            return f"'{name}' is missing"
+        if not (isinstance(entry, list) and len(entry) == 2):
+            return f"{MANIFEST} entry of '{name}' is malformed"
+        if path.stat().st_size != entry[0] or sha256_file(path) != entry[1]:
+            return f"'{name}' differs from what was written (size or SHA-256)"
+    return None
+
+
+def safe_load(path: Path, allowed: tuple[Any, ...] = ()) -> Any:
+    """``torch.load`` that runs no code: plain data only (plus ``allowed`` classes)."""
+    import pickle
+
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError,
+            AttributeError, TypeError) as err:
+        first = (str(err).splitlines() or [type(err).__name__])[0][:200]
+        raise CheckpointError(f"'{path.name}' is not plain saved state ({first}); "
+                              "nothing in it was run") from None
 
 
 def publish(run_dir: Path, tmp: Path, step: int, keep: int | None) -> Path:
@@ -126,20 +184,35 @@ def publish(run_dir: Path, tmp: Path, step: int, keep: int | None) -> Path:
     return final
 
 
+def check_pickles(folder: Path, allowed: tuple[Any, ...]) -> None:
+    """Read every file under ``folder`` as :func:`safe_load` does, before a library that
+    unpickles without restrictions (DeepSpeed) loads them: a file that holds anything
+    but plain state and the ``allowed`` classes is refused unread."""
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        if path.suffix in (".pt", ".pth", ".bin") or not path.suffix:
+            safe_load(path, allowed)
+
+
 def read_state(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / STATE).read_text())
+    try:
+        state = json.loads((folder / STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"'{folder / STATE}' is unreadable ({err})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"'{folder / STATE}' is not a JSON object")
+    return state
 
 
 def restore(folder: Path, scheduler: Any, rank: int) -> dict:
     """Load the scheduler and this rank's RNG (the engine loads weights and optimizer)."""
-    import torch
-
-    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
     rng_file = folder / f"rng-rank{rank}.pt"
     if not rng_file.is_file():
         raise ConfigError(f"checkpoint '{folder}' has no RNG state for rank {rank}; "
                           "resume with the same number of processes")
-    set_rng_state(torch.load(rng_file, weights_only=False))
+    scheduler_state = safe_load(folder / "scheduler.pt")
+    rng = safe_load(rng_file)
+    scheduler.load_state_dict(scheduler_state)
+    set_rng_state(rng)
     return read_state(folder)
 
 

@@ -94,9 +94,9 @@ class ReplicaEngine(_Engine):
             torch.save(self.tr.optimizer.state_dict(), folder / "optimizer.pt")
 
     def load_state(self, folder: Path) -> None:
-        import torch
+        from .checkpoint import safe_load
 
-        self.tr.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+        self.tr.optimizer.load_state_dict(safe_load(folder / "optimizer.pt"))
 
 
 def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
@@ -122,6 +122,17 @@ def deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def deepspeed_state_classes() -> tuple[Any, ...]:
+    """The classes DeepSpeed pickles into its checkpoint files besides plain data (found
+    with torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO checkpoints):
+    plain state holders whose unpickling runs none of the file's code."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
 
 
 class DeepSpeedEngine(_Engine):
@@ -178,6 +189,10 @@ class DeepSpeedEngine(_Engine):
                                     save_latest=False, exclude_frozen_parameters=True)
 
     def load_state(self, folder: Path) -> None:
+        from .checkpoint import check_pickles
+
+        # DeepSpeed unpickles with weights_only=False: read its files safely first
+        check_pickles(folder / "deepspeed", deepspeed_state_classes())
         self.engine.load_checkpoint(str(folder / "deepspeed"), tag="state",
                                     load_module_strict=False, load_optimizer_states=True,
                                     load_lr_scheduler_states=False)
@@ -284,13 +299,14 @@ class FSDPEngine(_Engine):
             torch.save(full, folder / "optimizer.pt")
 
     def load_state(self, folder: Path) -> None:
-        import torch
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_optimizer_state_dict,
         )
 
-        full = torch.load(folder / "optimizer.pt", weights_only=False)
+        from .checkpoint import safe_load
+
+        full = safe_load(folder / "optimizer.pt")
         set_optimizer_state_dict(self.tr.model, self.tr.optimizer, full,
                                  options=StateDictOptions(full_state_dict=True))
 

@@ -16,6 +16,7 @@ from ...dataset.records import IGNORE_INDEX, Example
 from ...fileio import write_atomic
 from .batches import collate, label_tokens
 from .losses import token_loss_sum
+from .memlog import EVAL_LOG
 from .oom import TrainingOOMError, first_line, release_memory
 
 
@@ -119,8 +120,7 @@ class Evaluator:
         finally:
             t.engine.module.train()
         if t.dist.is_main:
-            with open(t.run_dir / "eval.jsonl", "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(metrics) + "\n")
+            t.log.append(EVAL_LOG, metrics)
         extra = {k: v for k, v in metrics.items() if k != "step"}
         t.log.event("eval", f"eval loss {metrics['eval_loss']:.4f}", t.step, **extra)
         return metrics

@@ -94,7 +94,7 @@ def _atomic_write(path: Path, text: str) -> None:
 def launch_command(config_file: str, acc_file: Path, args: Any) -> list[str]:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(acc_file),
            "-m", "oomless", "train", str(config_file)]
-    for flag in ("resume", "auto_fit", "no_progress"):
+    for flag in ("resume", "start_over", "auto_fit", "no_progress"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))
     if getattr(args, "output_dir", None):
@@ -104,7 +104,10 @@ def launch_command(config_file: str, acc_file: Path, args: Any) -> list[str]:
 
 def launch(cfg: RunConfig, args: Any) -> int:
     """Write the launch files and run ``accelerate launch`` (or print it with --dry-run)."""
+    from .run_folder import RunFolder
+
     run_dir = Path(cfg.training.output_dir)
+    RunFolder(run_dir).check_free()  # never rewrite the launch files of a training run
     acc_file = write_launch_files(cfg, run_dir, getattr(args, "machine_rank", 0) or 0,
                                   getattr(args, "main_process_ip", None),
                                   getattr(args, "main_process_port", 29500) or 29500)

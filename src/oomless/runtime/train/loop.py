@@ -75,12 +75,15 @@ class TrainingInterrupted(OomlessError):
 class Trainer(CheckpointedRun):
     def __init__(self, cfg: RunConfig, run_dir: Path | None = None, resume: bool = False,
                  progress: bool = False, auto_fit: bool = False,
-                 on_step_end: Callable[[Trainer, dict[str, Any]], None] | None = None) -> None:
+                 on_step_end: Callable[[Trainer, dict[str, Any]], None] | None = None,
+                 start_over: bool = False) -> None:
         self.cfg = cfg
         self.auto_fit = auto_fit
         self.run_dir = Path(run_dir or cfg.training.output_dir)
         self.folder = RunFolder(self.run_dir)
         self.resume = resume
+        self.start_over = start_over
+        self.first_loss: float | None = None  # the run's first step (kept across resumes)
         self.show_progress = progress
         self.on_step_end = on_step_end
         self.step = 0  # optimizer steps completed
@@ -100,7 +103,9 @@ class Trainer(CheckpointedRun):
             raise ConfigError("data.train_file is not set; point it at a .jsonl, .json or "
                               ".parquet file of training records")
         model_dir = resolve_model_dir(self.cfg.model)
-        self.log = RunLog(self.run_dir, enabled=self.dist.is_main, resume=self.resume)
+        self._claim_folder()
+        self.log = RunLog(self.run_dir, enabled=self.dist.is_main, resume=self.resume,
+                          run_id=self.folder.run_id)
         self._preflight(model_dir)
         cfg, t = self.cfg, self.cfg.training
         seed_everything(t.seed)  # same seed on every rank: identical initial replicas
@@ -113,6 +118,8 @@ class Trainer(CheckpointedRun):
         self.eval_data = (load_examples(cfg.data.eval_file, self.tokenizer, cfg.data,
                                         cfg.seq_len, rd, "eval_token_stats.json", self.vision)
                           if cfg.data.eval_file else None)
+        self.data_fingerprints = {"train": data_fingerprint(cfg.data.train_file),
+                                  "eval": data_fingerprint(cfg.data.eval_file)}
         self.schedule = SampleSchedule(len(self.train_data.examples),
                                        cfg.micro_batch_size * cfg.grad_accum * self.dist.world_size,
                                        self.dist.world_size, t.seed)
@@ -125,6 +132,20 @@ class Trainer(CheckpointedRun):
         self.engine = make_engine(self)  # may wrap model and optimizer (DeepSpeed)
         self.injector = FaultInjector(t.inject_oom, self.dist.rank)
         self.pad_id = self.tokenizer.pad_token_id
+
+    def _claim_folder(self) -> None:
+        """Rank 0 locks and claims the run folder; every rank learns the run id (or the
+        refusal, so that no rank waits for the others in vain)."""
+        message = None
+        if self.dist.is_main:
+            try:
+                message = "ok:" + self.folder.claim(self.resume, self.start_over)
+            except OomlessError as err:
+                message = "error:" + str(err)
+        message = str(self.dist.broadcast_str(message))
+        if message.startswith("error:"):
+            raise ConfigError(message.removeprefix("error:"))
+        self.folder.run_id = message.removeprefix("ok:")
 
     def _preflight(self, model_dir: Path) -> None:
         """Estimate before loading weights; stop, or apply the plan with --auto-fit."""
@@ -295,11 +316,13 @@ class Trainer(CheckpointedRun):
 
     # ---- the run ---------------------------------------------------------------------
     def run(self) -> TrainResult:
-        self._setup()
         try:
+            self._setup()
             return self._run()
         finally:
-            self.dist.close()
+            self.folder.release()
+            if hasattr(self, "dist"):
+                self.dist.close()
 
     def _run(self) -> TrainResult:
         from .evaluate import Evaluator
@@ -319,6 +342,8 @@ class Trainer(CheckpointedRun):
                     if self.step % t.logging_steps == 0 or self.step == self.total_steps:
                         self.log.step(record)
                     result.losses.append(record["loss"])
+                    if self.first_loss is None:
+                        self.first_loss = record["loss"]
                     bar.update(self.step, f"loss {record['loss']:.4f}")
                     if evaluator and self.cfg.eval.steps and self.step % self.cfg.eval.steps == 0:
                         result.eval_losses.append(evaluator.run()["eval_loss"])
@@ -340,9 +365,20 @@ class Trainer(CheckpointedRun):
             result.eval_losses.append(evaluator.run()["eval_loss"])
         return self.finish(result)
 
+def data_fingerprint(path: str | None) -> dict[str, Any] | None:
+    """Size and SHA-256 of a data file: a resumed run must read the same records."""
+    if not path:
+        return None
+    from ...fileio import sha256_file
+
+    return {"bytes": Path(path).stat().st_size, "sha256": sha256_file(path)}
+
+
 def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False,
           progress: bool = False, auto_fit: bool = False,
-          on_step_end: Callable | None = None) -> TrainResult:
-    """Fine-tune as ``cfg`` says; the run folder gets logs, checkpoints and the result."""
+          on_step_end: Callable | None = None, start_over: bool = False) -> TrainResult:
+    """Fine-tune as ``cfg`` says; the run folder gets logs, checkpoints and the result.
+
+    ``start_over``: a folder holding another run is cleared first (else refused)."""
     return Trainer(cfg, Path(run_dir) if run_dir else None, resume, progress, auto_fit,
-                   on_step_end).run()
+                   on_step_end, start_over).run()

@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...fileio import write_atomic
+from ...fileio import cut_torn_tail, open_append, read_jsonl, write_atomic
 
 MEMLOG = "memlog.jsonl"
 EVENTS = "events.jsonl"
+EVAL_LOG = "eval.jsonl"
 
 
 def host_rss_bytes() -> int:
@@ -43,54 +44,85 @@ def device_memory(device: Any) -> dict[str, int]:
 
 
 class RunLog:
-    """Appends steps and events to the run folder (rank 0 writes)."""
+    """Appends steps and events to the run folder (rank 0 writes).
 
-    def __init__(self, run_dir: Path, enabled: bool = True, resume: bool = False) -> None:
+    Every line carries the run id. Files are opened without following links
+    (fileio.open_append); a line torn by a killed writer is cut before the first
+    append, so the next line never glues onto it.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool = True, resume: bool = False,
+                 run_id: str | None = None) -> None:
         self.run_dir = run_dir
         self.enabled = enabled
+        self.run_id = run_id
+        self._repaired: set[str] = set()
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             if not resume:
                 for name in (MEMLOG, EVENTS):
                     (run_dir / name).unlink(missing_ok=True)
 
-    def _append(self, name: str, obj: dict[str, Any]) -> None:
+    def append(self, name: str, obj: dict[str, Any]) -> None:
+        """One JSON line to RUN/name (memlog, events, eval.jsonl, ...)."""
         if not self.enabled:
             return
-        with open(self.run_dir / name, "a", encoding="utf-8") as fh:
+        path = self.run_dir / name
+        if name not in self._repaired:
+            cut_torn_tail(path)
+            self._repaired.add(name)
+        if self.run_id is not None:
+            obj = {**obj, "run_id": self.run_id}
+        with open_append(path) as fh:
             fh.write(json.dumps(obj) + "\n")
             fh.flush()
 
+    _append = append  # the name before run ids (kept for callers of the base API)
+
     def step(self, record: dict[str, Any]) -> None:
-        self._append(MEMLOG, record)
+        self.append(MEMLOG, record)
 
     def event(self, kind: str, message: str, step: int | None = None, **data: Any) -> None:
-        self._append(EVENTS, {"time": round(time.time(), 3), "step": step, "event": kind,
-                              "message": message, **data})
+        self.append(EVENTS, {"time": round(time.time(), 3), "step": step, "event": kind,
+                             "message": message, **data})
 
 
-def truncate_after(run_dir: Path, step: int) -> None:
-    """On resume: drop memlog lines of steps after the checkpoint (they are redone)."""
-    path = run_dir / MEMLOG
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
-    write_atomic(path, "".join(k + "\n" for k in kept))
+def truncate_after(run_dir: Path, step: int, run_id: str | None = None,
+                   names: tuple[str, ...] = (MEMLOG, EVENTS, EVAL_LOG)) -> dict[str, int]:
+    """On resume: drop the log lines of steps after the checkpoint (they are redone) —
+    memlog, events and eval — plus a torn last line and lines of another run id.
+    Returns the lines dropped per file."""
+    dropped = {}
+    for name in names:
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        log = read_jsonl(path, name)
+        kept = [obj for _, obj in log.rows if _keep(obj, step, run_id)]
+        lost = len(log.rows) - len(kept) + (log.torn_line is not None) + len(log.bad)
+        if lost:
+            write_atomic(path, "".join(json.dumps(obj) + "\n" for obj in kept))
+            dropped[name] = lost
+    return dropped
+
+
+def _keep(obj: dict[str, Any], step: int, run_id: str | None) -> bool:
+    line_step = obj.get("step")
+    if run_id is not None and obj.get("run_id") not in (None, run_id):
+        return False
+    return not (isinstance(line_step, int | float) and line_step > step)
 
 
 def read_steps(run_dir: Path) -> list[dict[str, Any]]:
+    """The memory log's records (a torn last line skipped; see fileio.read_jsonl)."""
     path = Path(run_dir) / MEMLOG
-    if not path.is_file():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return read_jsonl(path, "memory log").objects() if path.is_file() else []
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """The event log's records (a torn last line skipped)."""
     path = Path(run_dir) / EVENTS
-    if not path.is_file():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return read_jsonl(path, "event log").objects() if path.is_file() else []
 
 
 class Progress:

@@ -17,6 +17,44 @@ from . import checkpoint as ckpt
 from .memlog import truncate_after
 from .run_folder import TrainResult, summary_dict
 
+# What may change on --resume: where files go, how often they are written, fault
+# injection and the simulated OOM budget (recovery keeps the training exact), and
+# the data files' paths (their content is compared instead). Any other key —
+# model, method, LoRA, precision, batch, optimizer, schedule, seed, data options
+# — makes the resumed run another run, and is refused.
+RESUME_MAY_CHANGE = ("training.output_dir", "training.save_steps", "training.save_total_limit",
+                     "training.logging_steps", "training.inject_oom", "training.auto_fit",
+                     "training.memory_budget_gb", "eval.batch_size", "data.train_file",
+                     "data.eval_file")
+# A longer run: allowed, and noted in the resume event (the schedule spans the new length).
+RESUME_EXTENDS = ("training.max_steps", "training.epochs")
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def changed_keys(before: dict[str, Any], after: dict[str, Any],
+                 keys: tuple[str, ...] | None = None) -> list[str]:
+    """'key: old → new' for every differing key (only ``keys`` when given)."""
+    a, b = _flat(before), _flat(after)
+    names = keys if keys is not None else tuple(sorted(set(a) | set(b)))
+    return [f"{k}: {a.get(k)!r} → {b.get(k)!r}" for k in names if a.get(k) != b.get(k)]
+
+
+def config_differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The differences that make a checkpoint another run's (see RESUME_MAY_CHANGE)."""
+    allowed = set(RESUME_MAY_CHANGE) | set(RESUME_EXTENDS)
+    return [d for d in changed_keys(before, after)
+            if d.split(":", 1)[0] not in allowed
+            and not any(d.startswith(k + ".") for k in RESUME_MAY_CHANGE)]
+
 
 class CheckpointedRun:
     """Save, resume and finish a run (mixed into Trainer)."""
@@ -34,32 +72,78 @@ class CheckpointedRun:
                        predicted_peak_bytes=self.predicted_peak_bytes)
 
     def resume_from_checkpoint(self: Any) -> None:
-        """Load the latest checkpoint (weights, optimizer, RNG, position)."""
+        """Continue from the newest usable checkpoint of this run (weights, optimizer, RNG,
+        position); a corrupt one is skipped for the one before it, a different
+        configuration is refused, and the logs are cut back to the checkpoint."""
         from ..loading import enable_grad_ckpt
 
-        folder = self.folder.latest_checkpoint()
-        if folder is None:
+        candidates = ckpt.checkpoints_newest_first(self.folder.path)
+        if not candidates:
             raise ConfigError(f"--resume: no checkpoint in '{self.folder.checkpoints}'; "
                               "start without --resume")
-        self.engine.load_weights(folder)
-        state = ckpt.restore(folder, self.scheduler, self.dist.rank)
-        self.engine.load_state(folder)
-        if state["schedule"] != self.schedule_dict():
-            raise ConfigError(f"--resume: checkpoint '{folder}' was made with a different data "
-                              f"size or effective batch ({state['schedule']}); resume with the "
-                              "same data and batch settings")
+        skipped: list[str] = []
+        for folder in candidates:
+            problem = self._checkpoint_problem(folder)
+            if not self.dist.any_true(problem is not None):
+                problem = self._load_checkpoint(folder)
+                if not self.dist.any_true(problem is not None):
+                    break
+            skipped.append(f"{folder.name}: {problem or 'unusable on another rank'}")
+        else:
+            raise ConfigError(f"--resume: no usable checkpoint in '{self.folder.checkpoints}':"
+                              "\n  " + "\n  ".join(skipped) + "\nstart again with --start-over")
+        state = ckpt.read_state(folder)
         self.step = state["step"]
         self.eval_round = state.get("eval_round", 0)
         self.micro_batch_size = state["micro_batch_size"]
         self.eval_batch_size = state["eval_batch_size"]
+        self.first_loss = state.get("first_loss")
         self.injector.load_state_dict(state.get("fault_injection", {}))
         if state["grad_ckpt"] and not self.grad_ckpt:
             enable_grad_ckpt(self.model)
             self.grad_ckpt = True
+        dropped = {}
         if self.dist.is_main:
-            truncate_after(self.folder.path, self.step)
+            dropped = truncate_after(self.folder.path, self.step, self.folder.run_id)
+        extended = changed_keys(state["config"], self.cfg.to_dict(), RESUME_EXTENDS)
         self.log.event("resume", f"resumed from {folder.name}", self.step,
-                       micro_batch_size=self.micro_batch_size, grad_ckpt=self.grad_ckpt)
+                       micro_batch_size=self.micro_batch_size, grad_ckpt=self.grad_ckpt,
+                       skipped_checkpoints=skipped, dropped_log_lines=dropped,
+                       extended=extended)
+
+    def _checkpoint_problem(self: Any, folder: Path) -> str | None:
+        """Why ``folder`` is damaged (None: usable). A checkpoint of another run or
+        configuration is a ConfigError: an older one of the same run would differ too."""
+        try:
+            state = ckpt.read_state(folder)
+        except ConfigError as err:
+            return str(err)
+        if state.get("run_id") != self.folder.run_id:
+            raise ConfigError(f"--resume: checkpoint '{folder}' belongs to run "
+                              f"{state.get('run_id')}, not to this folder's run "
+                              f"{self.folder.run_id}; start again with --start-over")
+        if state.get("schedule") != self.schedule_dict():
+            raise ConfigError(f"--resume: checkpoint '{folder}' was made with a different data "
+                              f"size or effective batch ({state.get('schedule')}); resume with "
+                              "the same data and batch settings")
+        diffs = config_differences(state.get("config") or {}, self.cfg.to_dict())
+        if state.get("data") != self.data_fingerprints:
+            diffs.append("the data files' content changed (SHA-256)")
+        if diffs:
+            raise ConfigError(f"--resume: checkpoint '{folder}' was trained with another "
+                              "configuration: " + "; ".join(diffs) + ". Resume with the "
+                              "configuration it was made with, or start again with --start-over")
+        return ckpt.verify(folder) if self.dist.is_main else None
+
+    def _load_checkpoint(self: Any, folder: Path) -> str | None:
+        try:
+            self.engine.load_weights(folder)
+            ckpt.restore(folder, self.scheduler, self.dist.rank)
+            self.engine.load_state(folder)
+        except Exception as err:  # noqa: BLE001 - any failure: try the checkpoint before it
+            first = (str(err).splitlines() or [""])[0][:200]
+            return f"cannot be loaded ({type(err).__name__}: {first})"
+        return None
 
     def save_checkpoint(self: Any) -> Path | None:
         """Every rank's RNG plus rank 0's weights/optimizer/state; atomic rename at the end."""
@@ -73,12 +157,13 @@ class CheckpointedRun:
         final = None
         self.engine.save_weights(tmp)
         if d.is_main:
-            state = {"step": self.step, "eval_round": self.eval_round,
-                     "micro_batch_size": self.micro_batch_size,
+            state = {"run_id": self.folder.run_id, "step": self.step,
+                     "eval_round": self.eval_round, "micro_batch_size": self.micro_batch_size,
                      "eval_batch_size": self.eval_batch_size, "grad_ckpt": self.grad_ckpt,
-                     "schedule": self.schedule_dict(),
+                     "first_loss": self.first_loss, "schedule": self.schedule_dict(),
                      "data_position": self.schedule.position(self.step),
-                     "fault_injection": self.injector.state_dict()}
+                     "fault_injection": self.injector.state_dict(),
+                     "config": self.cfg.to_dict(), "data": self.data_fingerprints}
             ckpt.write_main(tmp, self.scheduler, state)
             final = ckpt.publish(self.folder.path, tmp, self.step,
                                  self.cfg.training.save_total_limit)
@@ -90,6 +175,7 @@ class CheckpointedRun:
         """Last checkpoint, the final weights + tokenizer in RUN/final, summary.json."""
         self.save_checkpoint()
         result.steps = self.step
+        result.first_loss = self.first_loss
         result.micro_batch_size, result.grad_ckpt = self.micro_batch_size, self.grad_ckpt
         result.predicted_peak_bytes = self.predicted_peak_bytes
         result.measured_peak_bytes = self.measured_peak()
