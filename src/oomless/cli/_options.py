@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any, get_args
 
-from ..config import Offload, Precision
+from ..config import Offload, Precision, QuantStorage, Stack
 from ..knobs import ATTENTIONS, METHODS, OPTIMIZERS
 
 # flag → dotted RunConfig key
@@ -17,7 +17,9 @@ _FLAG_KEYS = {
     "lora_dropout": "lora.dropout", "zero": "zero", "offload": "offload",
     "nodes": "hardware.nodes", "host_ram_gb": "hardware.host_ram_gb",
     "eval_batch_size": "eval.batch_size", "max_new_tokens": "eval.max_new_tokens",
-    "images": "data.images_per_sample",
+    "images": "data.images_per_sample", "stack": "stack",
+    "transformers_version": "stack_options.transformers_version",
+    "stack_version": "stack_options.stack_version", "quant_storage": "quantization.storage",
 }
 
 
@@ -48,6 +50,19 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--images", type=int, help="images per sample (vision-language models)")
     g.add_argument("--expandable-segments", action="store_true",
                    help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    add_stack_options(g)
+
+
+def add_stack_options(g: Any) -> None:
+    """--stack and the versions that select its loss and LoRA paths (docs/stacks.md)."""
+    g.add_argument("--stack", choices=list(get_args(Stack)),
+                   help="the software that runs the step (default hf-trainer; docs/stacks.md)")
+    g.add_argument("--transformers-version", metavar="X.Y",
+                   help="transformers release of the run (default: the installed one)")
+    g.add_argument("--stack-version", metavar="X.Y",
+                   help="release of the stack's own package, e.g. trl (default: installed)")
+    g.add_argument("--quant-storage", choices=list(get_args(QuantStorage)),
+                   help="bnb_4bit_quant_storage (bfloat16 lets FSDP/ZeRO-3 shard QLoRA)")
 
 
 def _is_run_file(text: str) -> bool:

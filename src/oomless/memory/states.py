@@ -11,6 +11,7 @@ from ..knobs import OPTIMIZERS
 from ..models.spec import LinearSpec, ModelSpec
 from . import constants as C
 from .precision import Dtypes
+from .stacks import StackEffects, stack_effects
 
 # Module names people write in LoRA target lists → our canonical names
 # (ChatGLM, Phi-2, GPT-2, Mixtral-legacy, InternLM spellings).
@@ -96,17 +97,30 @@ class States:
     assumptions: list[str] = field(default_factory=list)
 
 
+def fp32_upcast_params(spec: ModelSpec, fx: StackEffects) -> int:
+    """Non-quantized parameters the stack casts to fp32 (StackEffects.fp32_groups)."""
+    norms = (spec.num_layers * spec.norms_per_layer + 1) * spec.norm_params
+    if spec.qk_norm:
+        norms += spec.num_layers * 2 * spec.head_dim
+    groups = {"embeddings": spec.embedding_params, "lm_head": spec.lm_head_params,
+              "norms": norms}
+    quantized = decoder_linear_weight_params(spec)
+    groups["other"] = max(0, spec.param_count - quantized - sum(groups.values()))
+    return sum(n for name, n in groups.items() if name in fx.fp32_groups)
+
+
 def weight_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
     """Bytes of the base model's weights on one GPU before any ZeRO-3 sharding."""
     total = spec.param_count
+    upcast = max(0, 4 - dt.base_weight_bytes) * fp32_upcast_params(spec, stack_effects(cfg))
     if cfg.method != "qlora":
-        return total * dt.base_weight_bytes
+        return total * dt.base_weight_bytes + upcast
     quantized = decoder_linear_weight_params(spec)
     if cfg.quantization.bits == 4:
         per = C.NF4_BYTES_PER_PARAM_DQ if cfg.quantization.double_quant else C.NF4_BYTES_PER_PARAM
     else:
         per = 1.0  # int8 + per-row scales (added below, small)
-    return quantized * per + (total - quantized) * dt.base_weight_bytes
+    return quantized * per + (total - quantized) * dt.base_weight_bytes + upcast
 
 
 def optimizer_bytes_per_param(cfg: RunConfig, dt: Dtypes) -> float:

@@ -112,6 +112,11 @@ def trace_training(cfg: RunConfig, cluster: Cluster | None = None, *, resolved: 
         return analytic_fallback(spec, cfg, cluster, (
             f"transformers does not implement model type '{spec.model_type}', "
             "so the model cannot be built for a trace"), alloc_config)
+    from .stacks import trace_unsupported
+
+    reason = trace_unsupported(cfg)
+    if reason:
+        return analytic_fallback(spec, cfg, cluster, reason, alloc_config)
     started = time.perf_counter()
     try:
         from ...memory.training import llm_seq_len
@@ -207,7 +212,7 @@ def _wants_eval(cfg: RunConfig) -> bool:
 
 def _assumptions(cfg: RunConfig, runs: list[TraceStats], plan: LayerPlan | None) -> list[str]:
     out = [
-        "trace: the real transformers/PEFT/bitsandbytes modules run two HF-Trainer steps "
+        f"trace: the real transformers/PEFT/bitsandbytes modules run two {cfg.stack} steps "
         "(forward under autocast with accelerate's fp32 output conversion, backward, "
         "gradient clipping, optimizer step, zero_grad) on CPU fake tensors; every tensor "
         "storage is tracked at the dispatcher",
@@ -220,8 +225,8 @@ def _assumptions(cfg: RunConfig, runs: list[TraceStats], plan: LayerPlan | None)
         "the same output and log-sum-exp (that kernel's backward workspace is not emulated)",
         "precision as HF Trainer + PEFT: LoRA/QLoRA load the base in 16-bit with fp32 "
         "adapters, full fine-tuning keeps fp32 weights, both under bf16/fp16 autocast; "
-        "pure-bf16 is bf16 throughout without autocast; QLoRA keeps lm_head, embeddings "
-        "and norms in 16-bit",
+        "pure-bf16 is bf16 throughout without autocast; then the stack's own casts, "
+        "hooks and loss (runtime/trace/stacks.py)",
         "batches are full length without padding (no attention mask), use_cache off",
         "reserved memory from replaying the alloc/free stream through a simulation of "
         "PyTorch's CUDA caching allocator (one stream)",
