@@ -18,7 +18,7 @@ behaviour read.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cache
 
 from ..config import RunConfig
 
@@ -68,7 +68,7 @@ def version_tuple(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-@lru_cache(maxsize=None)
+@cache
 def installed_version(package: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
