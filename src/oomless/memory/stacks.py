@@ -178,6 +178,11 @@ class StackEffects:
     lmhead_fp32_output: bool = False
     fused_loss: str = ""  # "", "liger", "trl", "unsloth"
     offload_checkpoints: bool = False
+    # prepare_model_for_kbit_training ran: every 16-bit non-quantized parameter was fp32
+    # before the stack's recasts; setup_cache: the freed 16-bit originals stay in the
+    # caching allocator (PEFT before PR #3293 added torch.cuda.empty_cache)
+    setup_upcast: bool = False
+    setup_cache: bool = False
     notes: tuple[str, ...] = ()
 
 
@@ -196,9 +201,10 @@ def stack_effects(cfg: RunConfig) -> StackEffects:
         if _trl_is_v1(cfg):
             fx = replace(fx, fused_loss="trl", adapters_16bit=cfg.method == "qlora")
         elif qlora_single:
-            fx = replace(fx, fp32_groups=frozenset({"norms", "other"}))
+            fx = replace(fx, fp32_groups=frozenset({"norms", "other"}), setup_upcast=True,
+                         setup_cache=True)
     elif cfg.stack == "axolotl" and qlora_single:
-        fx = replace(fx, fp32_groups=frozenset({"other"}))
+        fx = replace(fx, fp32_groups=frozenset({"other"}), setup_upcast=True)
     elif cfg.stack == "unsloth":
         fx = replace(fx, fused_loss="unsloth", offload_checkpoints=cfg.grad_ckpt)
         notes.append("Unsloth modelled from its source (it does not install beside oomless' "
@@ -207,9 +213,11 @@ def stack_effects(cfg: RunConfig) -> StackEffects:
     elif cfg.stack == "custom-loop":
         pure = cfg.precision in ("bf16", "fp16")
         fx = replace(fx, autocast=not pure, keep_outputs=True,
-                     fp32_groups=FP32_GROUPS_ALL if qlora_single else frozenset())
+                     fp32_groups=FP32_GROUPS_ALL if qlora_single else frozenset(),
+                     setup_upcast=qlora_single)
     if opts.kbit_upcast is not None and qlora_single:
-        fx = replace(fx, fp32_groups=FP32_GROUPS_ALL if opts.kbit_upcast else frozenset())
+        fx = replace(fx, fp32_groups=FP32_GROUPS_ALL if opts.kbit_upcast else frozenset(),
+                     setup_upcast=opts.kbit_upcast)
     if opts.upcast_layernorm and cfg.zero == 0:
         fx = replace(fx, fp32_groups=fx.fp32_groups | {"norms"})
     if opts.upcast_lmhead_output:
@@ -240,6 +248,12 @@ def stack_assumptions(cfg: RunConfig) -> list[str]:
     if fx.fp32_groups:
         out.append("fp32 after the stack's casts: " + ", ".join(sorted(fx.fp32_groups)) +
                    " (peft prepare_model_for_kbit_training and the stack's recasts)")
+    if fx.setup_upcast:
+        out.append("setup phase: prepare_model_for_kbit_training holds every 16-bit "
+                   "non-quantized parameter in fp32 before the stack's recasts" +
+                   (", and the caching allocator keeps their freed 16-bit originals (PEFT "
+                    "before the empty_cache of peft PR #3293; reserved, counted in the phase)"
+                    if fx.setup_cache else ""))
     if fx.adapters_16bit:
         out.append("QLoRA adapters, their gradients and AdamW states in bf16 (TRL ≥ 1.0)")
     if fx.lmhead_fp32_output:

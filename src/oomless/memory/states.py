@@ -123,6 +123,26 @@ def weight_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
     return quantized * per + (total - quantized) * dt.base_weight_bytes + upcast
 
 
+def quant_state_bytes(spec: ModelSpec, cfg: RunConfig) -> float:
+    """QLoRA's quantization constants (absmax, double-quantized): bitsandbytes keeps them
+    in the QuantState beside the packed weight, not as parameters, so FSDP and ZeRO-3
+    shard only the packed data (bitsandbytes nn/modules.py Params4bit, quant_storage)."""
+    if cfg.method != "qlora" or cfg.quantization.bits != 4:
+        return 0.0
+    per = C.NF4_BYTES_PER_PARAM_DQ if cfg.quantization.double_quant else C.NF4_BYTES_PER_PARAM
+    return decoder_linear_weight_params(spec) * (per - 0.5)
+
+
+def qlora_gathered_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
+    """The module ZeRO-3 / FSDP gathers at once under QLoRA: a decoder layer in packed
+    4-bit (frozen: no gradient), or the 16-bit embedding or lm_head, plus the prefetch
+    bucket of the next one."""
+    layer = max(spec.layer_params(False), spec.layer_params(True) if spec.is_moe else 0)
+    packed = 0.5 * layer
+    largest = max(packed, 2 * spec.embedding_params, 2 * spec.lm_head_params)
+    return largest + C.ZERO3_PREFETCH_FRACTION * spec.hidden_size**2 * 2
+
+
 def optimizer_bytes_per_param(cfg: RunConfig, dt: Dtypes) -> float:
     """State bytes per trainable parameter, from the optimizer's row in knobs.OPTIMIZERS."""
     kind = OPTIMIZERS.get(cfg.optimizer)
@@ -165,8 +185,18 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     shard3 = n if cfg.zero == 3 else 1  # ZeRO-3 partitions the parameters
     shard_opt = n if cfg.zero >= 1 else 1  # ZeRO-1+ partitions optimizer states
     params_on_host = cfg.offload == "all"
-    st.gpu["weights"] = 0 if params_on_host else round(weights / shard3)
-    if cfg.zero == 3:
+    replicated = quant_state_bytes(spec, cfg) if cfg.zero == 3 else 0
+    st.gpu["weights"] = 0 if params_on_host else round((weights - replicated) / shard3
+                                                       + replicated)
+    if cfg.zero == 3 and cfg.method == "qlora":
+        st.gpu["zero3_gathered"] = round(qlora_gathered_bytes(spec, cfg, dt))
+        st.assumptions.append(
+            "QLoRA sharded (ZeRO-3 / FSDP, bnb_4bit_quant_storage "
+            f"{cfg.quantization.storage}): the packed 4-bit weights and 16-bit parameters are "
+            "sharded, the quantization constants (absmax) stay on every GPU; the largest "
+            "module (a layer in packed 4-bit, or the 16-bit embedding / lm_head) is gathered, "
+            "plus a prefetch bucket of 0.9·hidden² elements")
+    elif cfg.zero == 3:
         live = C.ZERO3_LIVE_LAYER_BYTES_PER_PARAM * largest_module_params(spec)
         prefetch = C.ZERO3_PREFETCH_FRACTION * spec.hidden_size**2 * dt.base_weight_bytes
         st.gpu["zero3_gathered"] = round(live + prefetch)

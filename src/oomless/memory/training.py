@@ -8,6 +8,8 @@ states (step ≥ 2), as in any real run after the first step.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..config import RunConfig
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
@@ -18,8 +20,8 @@ from .loss_paths import largest_logits_block_bytes
 from .loss_paths import logits_bytes as stack_logits_bytes
 from .overheads import finish_estimate
 from .precision import Dtypes, dtypes_for
-from .stacks import stack_assumptions, stack_effects
-from .states import States, lora_targets, model_states
+from .stacks import FP32_GROUPS_ALL, stack_assumptions, stack_effects
+from .states import States, fp32_upcast_params, lora_targets, model_states
 
 
 def llm_seq_len(spec: ModelSpec, cfg: RunConfig) -> int:
@@ -171,6 +173,9 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
     embed = {**persistent, **grads, **held, "temporaries": embedding_grad_bytes(spec, cfg, dt)}
     phases["backward"] = max((start, in_layers, end, embed), key=lambda d: sum(d.values()))
     phases["optimizer"] = {**persistent, **grads, **step_only, **held}
+    setup = setup_phase_bytes(spec, cfg, persistent)
+    if setup:
+        phases["setup"] = setup
     if cfg.eval.batch_size or cfg.eval.steps or cfg.eval.predict_with_generate:
         eb = cfg.eval_batch_size
         ev = eval_forward_bytes(spec, dt, eb, s, cfg.attn)
@@ -190,6 +195,22 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
             "logits": 4 * eb * spec.vocab_size * 2 + logits["held"],
         }
     return {p: {k: round(v) for k, v in d.items() if v} for p, d in phases.items()}
+
+
+def setup_phase_bytes(spec: ModelSpec, cfg: RunConfig, persistent: dict) -> dict[str, float]:
+    """Model preparation before the first step, when the stack runs
+    prepare_model_for_kbit_training and then casts some groups back to 16-bit: the
+    weights with every 16-bit non-quantized parameter in fp32 (and, where the stack's
+    PEFT does not empty the cache, the freed 16-bit originals the allocator holds)."""
+    fx = stack_effects(cfg)
+    if not (fx.setup_upcast and cfg.method == "qlora"):
+        return {}
+    every = fp32_upcast_params(spec, replace(fx, fp32_groups=FP32_GROUPS_ALL))
+    kept = fp32_upcast_params(spec, fx)
+    out = {"weights": persistent.get("weights", 0), "upcast_fp32": 2 * (every - kept)}
+    if fx.setup_cache:
+        out["cached_16bit_copies"] = 2 * every
+    return out
 
 
 def estimate_training(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = None,

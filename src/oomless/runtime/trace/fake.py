@@ -319,7 +319,11 @@ def _estimate(spec: Any, cfg: RunConfig, cluster: Cluster | None, runs: list[Tra
     }
     if nums["paged_bytes"]:
         extra["paged_optimizer_bytes"] = nums["paged_bytes"]
+    from ...memory.band import band_bytes
+
+    low, high = band_bytes(reserved + sum(non_pt.values()), "trace")
     return MemoryEstimate(
+        low_bytes=low, high_bytes=high,
         method="trace", model=spec.name, param_count=nums["param_count"],
         trainable_params=nums["trainable_params"], peak_phase=peak_phase,
         peak_allocated_bytes=peak_alloc, peak_reserved_bytes=reserved,

@@ -14,8 +14,10 @@ Two step conventions (``oomless.memory.stacks`` names them):
 
 - ``hf-trainer``: forward under bf16 autocast, its outputs converted to fp32 as
   accelerate does for mixed precision, outputs dropped before ``backward``;
-- ``custom-loop``: no autocast, the outputs kept alive through ``backward`` (PEFT's
-  method-comparison loop).
+- ``custom-loop``: no autocast, the outputs kept alive through ``backward`` and the
+  next forward (PEFT's method-comparison loop).
+
+Two steps run, so that the second forward meets what the first step left alive.
 
 Run as ``python -m oomless.runtime.trace.loss_probe`` it prints one JSON object;
 ``benchmarks/loss_versions.py`` runs it under several transformers releases.
@@ -63,22 +65,27 @@ def _step_events(model: torch.nn.Module, convention: str) -> list[tuple[str, int
     for t in [*model.parameters(), *model.buffers(), *batch.values()]:
         tracker.track(t, "setup", "weights")  # known before the step: views of them are no allocation
     registered = len(tracker.events)
+    kept = None  # a custom loop's outputs live until its next forward has returned
     with tracker:
-        tracker.start_phase("forward", 0)
-        if convention == "hf-trainer":
-            from accelerate.utils import convert_outputs_to_fp32
+        for it in range(2):
+            tracker.start_phase("forward", it)
+            if convention == "hf-trainer":
+                from accelerate.utils import convert_outputs_to_fp32
 
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                outputs = convert_outputs_to_fp32(model.forward)(**batch)
-            loss = outputs.loss
-            del outputs
-            tracker.start_phase("backward", 0)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    outputs = convert_outputs_to_fp32(model.forward)(**batch)
+                loss = outputs.loss
+                del outputs
+            else:
+                outputs = model(**batch)
+                kept = outputs
+                loss = outputs.loss
+                del outputs
+            tracker.start_phase("backward", it)
             loss.backward()
-        else:
-            outputs = model(**batch)
-            tracker.start_phase("backward", 0)
-            outputs.loss.backward()
-            del outputs
+            del loss
+            model.zero_grad(set_to_none=True)
+        del kept
     return tracker.events[registered:]  # the step's own allocations and releases
 
 
