@@ -50,9 +50,10 @@ class QuantConfig(_Section):
     bits: Literal[4, 8] = 4
     type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True
-    storage: QuantStorage = Field(
-        "uint8", description="bitsandbytes bnb_4bit_quant_storage: the dtype the packed 4-bit "
-        "weights are stored in; a float dtype lets FSDP / ZeRO-3 shard them")
+    storage: QuantStorage | None = Field(
+        None, description="bitsandbytes bnb_4bit_quant_storage: the dtype the packed 4-bit "
+        "weights are stored in; a float dtype lets FSDP / ZeRO-3 shard them (null: uint8, "
+        "bfloat16 under ZeRO-3 / FSDP as LLaMA-Factory and the PEFT recipes set it)")
 
 
 class StackOptions(_Section):
@@ -186,7 +187,7 @@ class RunConfig(_Section):
             )
         if self.offload == "all" and self.zero != 3:
             raise ValueError("offload 'all' (parameters too) needs zero: 3; set zero: 3")
-        if self.method == "qlora" and self.zero == 3 and self.quantization.storage == "uint8":
+        if self.method == "qlora" and self.zero == 3 and self.quant_storage == "uint8":
             raise ValueError(
                 "QLoRA with ZeRO-3 / FSDP shards the 4-bit weights only when they are stored "
                 "in a float dtype: set quantization.storage: bfloat16 (bnb_4bit_quant_storage, "
@@ -204,6 +205,11 @@ class RunConfig(_Section):
         return self
 
     # ---- derived ---------------------------------------------------------
+    @property
+    def quant_storage(self) -> str:
+        """bnb_4bit_quant_storage: stated, else bfloat16 under ZeRO-3 / FSDP, else uint8."""
+        return self.quantization.storage or ("bfloat16" if self.zero == 3 else "uint8")
+
     @property
     def world_size(self) -> int:
         return self.hardware.gpus_per_node * self.hardware.nodes

@@ -50,7 +50,8 @@ def test_estimate_reads_run_config_yaml_and_flags_override(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["estimate", "qwen2.5-7bb"], "Closest catalog names: qwen2.5-7b"),
     (["estimate", "qwen2.5-7b", "--gpu", "a100-90gb"], "unknown GPU"),
-    (["estimate", "qwen2.5-7b", "--method", "qlora", "--zero", "3"], "QLoRA with ZeRO-3"),
+    (["estimate", "qwen2.5-7b", "--method", "qlora", "--zero", "3", "--quant-storage", "uint8"],
+     "QLoRA with ZeRO-3"),
     (["estimate", "qwen2.5-7b", "--offload", "optimizer"], "needs DeepSpeed ZeRO"),
     (["estimate", "qwen2.5-7b", "--lora-targets", "query,value"], "matches no linear layer"),
     (["estimate", "llama-2-70b", "--method", "full", "--zero", "3", "--offload", "all",

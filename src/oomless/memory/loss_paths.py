@@ -88,7 +88,8 @@ def _fused(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int, kind: str) -> di
         saved = a * t * h + 4 * t + lm_head_grad  # grad_input (+ grad_weight), loss_1d
         return {"forward": saved + a * chunk * v, "backward": saved, "held": 0}
     if kind == "trl":
-        tile = a * min(t, TRL_TOKEN_TILE) * min(v, TRL_VOCAB_TILE)
+        # the tile buffer is min(tokens, 4096) × 32768 whatever the vocabulary
+        tile = a * min(t, TRL_TOKEN_TILE) * TRL_VOCAB_TILE
         vectors = 7 * 4 * t
         forward = a * t * h + vectors + tile  # kept hidden copy, per-token sums, the tile
         backward = a * t * h + 4 * t * h + 3 * 4 * t + tile + lm_head_grad

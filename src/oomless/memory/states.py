@@ -192,7 +192,7 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
         st.gpu["zero3_gathered"] = round(qlora_gathered_bytes(spec, cfg, dt))
         st.assumptions.append(
             "QLoRA sharded (ZeRO-3 / FSDP, bnb_4bit_quant_storage "
-            f"{cfg.quantization.storage}): the packed 4-bit weights and 16-bit parameters are "
+            f"{cfg.quant_storage}): the packed 4-bit weights and 16-bit parameters are "
             "sharded, the quantization constants (absmax) stay on every GPU; the largest "
             "module (a layer in packed 4-bit, or the 16-bit embedding / lm_head) is gathered, "
             "plus a prefetch bucket of 0.9·hidden² elements")

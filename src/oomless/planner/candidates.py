@@ -139,7 +139,7 @@ def _shardings(req: PlanRequest, method: str, bits: int | None) -> list[tuple[in
         return [(base.zero, base.offload)]
     multi = req.cluster.world_size > 1
     # QLoRA shards under ZeRO-3 / FSDP in 4-bit with a float quant storage (PEFT's recipes)
-    zero3 = method != "qlora" or bits == 4
+    zero3 = method != "qlora" or (bits == 4 and base.quantization.storage != "uint8")
     out = [(0, "none")]
     if multi:
         out += [(1, "none"), (2, "none")] + ([(3, "none")] if zero3 else [])
@@ -251,10 +251,6 @@ def families(req: PlanRequest, spec: ModelSpec) -> Iterator[Family]:
         for (r, targets, lora_to), (zero, offload) in product(
                 _lora_variants(req, spec, method), _shardings(req, method, bits)):
             lora = base.lora.model_copy(update={"r": r, "targets": targets})
-            if method == "qlora" and zero == 3 and quant.storage == "uint8":
-                quant = quant.model_copy(update={"storage": "bfloat16"})
-            elif method == "qlora" and zero != 3 and base.quantization.storage == "uint8":
-                quant = quant.model_copy(update={"storage": "uint8"})
             group = f"{method_label(method, bits)} · {sharding_label(zero, offload)}"
             for precision in _precisions(req, method, zero):
                 rest = product(_optimizers(req, method), _lengths(req, spec), _packings(req),
