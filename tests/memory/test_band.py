@@ -10,8 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from oomless.config import RunConfig
-from oomless.memory import band
-from oomless.memory import estimate_training
+from oomless.memory import band, estimate_training
 from oomless.models.catalog import resolve_model
 from oomless.models.hardware import parse_gpu_arg
 from oomless.result import FITS, OUT_OF_MEMORY, TIGHT, MemoryEstimate, fit_verdict
