@@ -74,9 +74,10 @@ def render_estimate(est: MemoryEstimate, show_assumptions: bool = False) -> None
                   fmt_bytes(est.peak_reserved_bytes), "")
     for name, n_bytes in est.non_pytorch_bytes.items():
         table.add_row(f"  + {name.replace('_', ' ')}", fmt_bytes(n_bytes), "")
-    band = band_text(est)
-    table.add_row("[bold]device peak[/] (nvidia-smi)", fmt_bytes(est.device_peak_bytes),
-                  band)
+    table.add_row("[bold]device peak[/] (nvidia-smi)", fmt_bytes(est.device_peak_bytes), "")
+    if band_text(est):
+        table.add_row("  uncertainty band (low–high)",
+                      f"{fmt_bytes(est.low_bytes)}–{fmt_bytes(est.high_bytes)}", "")
     out.print(table)
     phases = "  ".join(f"{p} {fmt_bytes(v)}" for p, v in est.phase_peaks().items())
     out.print(f"phases (allocated): {phases}")
