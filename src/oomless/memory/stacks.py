@@ -18,9 +18,9 @@ behaviour read.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cache
+from functools import cache, lru_cache
 
-from ..config import RunConfig
+from ..config import RunConfig, StackOptions
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,12 @@ def installed_version(package: str) -> str | None:
         return None
 
 
-def transformers_version(cfg: RunConfig) -> str:
+def transformers_version(cfg: RunConfig | _Inputs) -> str:
     return (cfg.stack_options.transformers_version or installed_version("transformers")
             or NEWEST_TRANSFORMERS)
 
 
+@lru_cache(maxsize=64)
 def loss_path(version: str) -> LossPath:
     v = version_tuple(version)[:2]
     index = max(i for i, since in enumerate(_LOSS_PATH_SINCE) if v >= since)
@@ -186,14 +187,35 @@ class StackEffects:
     notes: tuple[str, ...] = ()
 
 
-def _trl_is_v1(cfg: RunConfig) -> bool:
+@dataclass(frozen=True)
+class _Inputs:
+    """The fields of a RunConfig that decide its stack's effects."""
+
+    stack: str
+    method: str
+    zero: int
+    grad_ckpt: bool
+    precision: str
+    stage: str
+    stack_options: StackOptions
+
+
+def _trl_is_v1(cfg: _Inputs) -> bool:
     version = cfg.stack_options.stack_version or installed_version("trl") or NEWEST_TRL
     return version_tuple(version) >= (1,)
 
 
 def stack_effects(cfg: RunConfig) -> StackEffects:
     """The memory-relevant switches of ``cfg.stack`` with its ``stack_options``."""
-    opts = cfg.stack_options
+    return _effects(cfg.stack, cfg.method, cfg.zero, cfg.grad_ckpt, cfg.precision, cfg.stage,
+                    cfg.stack_options)
+
+
+@lru_cache(maxsize=1024)
+def _effects(stack: str, method: str, zero: int, grad_ckpt: bool, precision: str, stage: str,
+             opts: StackOptions) -> StackEffects:
+    """stack_effects, memoised on what it reads (the planner asks for many candidates)."""
+    cfg = _Inputs(stack, method, zero, grad_ckpt, precision, stage, opts)
     qlora_single = cfg.method == "qlora" and cfg.zero == 0  # DeepSpeed recasts the module
     fx = StackEffects(cfg.stack, loss_path(transformers_version(cfg)))
     notes: list[str] = []

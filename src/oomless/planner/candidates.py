@@ -43,7 +43,7 @@ SEARCH_ASSUMPTIONS = (
     "AdamW / paged / 8-bit for full fine-tuning (LoRA/QLoRA keep the requested optimizer: "
     "their states are < 1% of memory), checkpointing, sdpa and flash, every micro batch × "
     "accumulation split, ZeRO 0-3 with optimizer/parameter offload (QLoRA under ZeRO-3 "
-    "in 4-bit with bnb_4bit_quant_storage bfloat16)",
+    "only on several GPUs, in 4-bit with bnb_4bit_quant_storage bfloat16)",
     "attention 'flash' means transformers' flash_attention_2 (needs the flash-attn package, "
     "Ampere or newer, head_dim ≤ 256); sliding-window attention is counted as full attention",
 )
@@ -138,8 +138,9 @@ def _shardings(req: PlanRequest, method: str, bits: int | None) -> list[tuple[in
     if not req.free("zero"):
         return [(base.zero, base.offload)]
     multi = req.cluster.world_size > 1
-    # QLoRA shards under ZeRO-3 / FSDP in 4-bit with a float quant storage (PEFT's recipes)
-    zero3 = method != "qlora" or (bits == 4 and base.quantization.storage != "uint8")
+    # QLoRA shards under ZeRO-3 / FSDP in 4-bit with a float quant storage, over several
+    # GPUs (the PEFT docs' recipes); one GPU keeps QLoRA unsharded
+    zero3 = method != "qlora" or (bits == 4 and base.quantization.storage != "uint8" and multi)
     out = [(0, "none")]
     if multi:
         out += [(1, "none"), (2, "none")] + ([(3, "none")] if zero3 else [])
