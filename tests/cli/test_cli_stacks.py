@@ -60,3 +60,14 @@ def test_qlora_zero3_shards_the_packed_weights(capsys):
     assert w1 / 2 < w2 < w1 * 0.55  # halved, plus the replicated absmax
     assert "weights" not in off["breakdown"]["backward"] and off["host_ram_bytes"] > w1
     assert two["verdict"] == "fits" and off["verdict"] == "fits"
+
+
+def test_plan_keeps_the_stated_stack(capsys):
+    rc = main(["plan", "llama-3.1-8b-instruct", "--gpu", "4090", "--method", "qlora",
+               "--seq-len", "4096", "--stack", "trl", "--stack-version", "0.12",
+               "--transformers-version", "4.46", "--top", "2", "--json"])
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert rc == 0 and plans
+    for p in plans:
+        assert p["config"]["stack"] == "trl"
+        assert p["config"]["stack_options"]["stack_version"] == "0.12"

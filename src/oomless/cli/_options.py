@@ -32,6 +32,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", choices=list(get_args(Precision)))
     g.add_argument("--optim", choices=list(OPTIMIZERS))
     g.add_argument("--quant", choices=["nf4", "fp4", "int8"], help="QLoRA quantization (nf4)")
+    g.add_argument("--quant-storage", choices=list(get_args(QuantStorage)),
+                   help="bnb_4bit_quant_storage (default bfloat16 under ZeRO-3, else uint8)")
     g.add_argument("--batch-size", type=int, help="micro batch per GPU")
     g.add_argument("--grad-accum", type=int)
     g.add_argument("--seq-len", type=int, help="tokens per sample")
@@ -61,8 +63,6 @@ def add_stack_options(g: Any) -> None:
                    help="transformers release of the run (default: the installed one)")
     g.add_argument("--stack-version", metavar="X.Y",
                    help="release of the stack's own package, e.g. trl (default: installed)")
-    g.add_argument("--quant-storage", choices=list(get_args(QuantStorage)),
-                   help="bnb_4bit_quant_storage (bfloat16 lets FSDP/ZeRO-3 shard QLoRA)")
 
 
 def _is_run_file(text: str) -> bool:
