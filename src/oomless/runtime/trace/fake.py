@@ -303,6 +303,13 @@ def _estimate(spec: Any, cfg: RunConfig, cluster: Cluster | None, runs: list[Tra
     generation = _analytic_generation(spec, cfg, cluster, breakdown)
     if generation:
         breakdown["generation"] = generation
+    from ...memory.training import setup_phase_bytes
+
+    # model preparation before the first step (prepare_model_for_kbit_training's fp32
+    # copies): analytic, on the traced weights
+    setup = setup_phase_bytes(spec, cfg, breakdown.get("optimizer", {}))
+    if setup:
+        breakdown["setup"] = {k: round(v) for k, v in setup.items()}
     totals = {p: sum(c.values()) for p, c in breakdown.items()}
     peak_phase = max(totals, key=totals.__getitem__)
     peak_alloc = totals[peak_phase]
