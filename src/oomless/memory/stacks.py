@@ -111,7 +111,7 @@ PROFILES: dict[str, tuple[Behaviour, ...]] = {
            "__init__ (loop after get_peft_model, _is_quantized_model)"),
         _B("trl0-kbit", "TRL 0.x: k-bit models go through prepare_model_for_kbit_training "
            "(16-bit parameters to fp32), then peft_module_casting_to_bf16 casts embeddings "
-           "and lm_head back to bf16 and keeps norms fp32", "trl 0.12 trainer/sft_trainer.py "
+           "and lm_head back to bf16 and keeps norms fp32", "trl 0.x (0.11–0.12) trainer/sft_trainer.py "
            "SFTTrainer._prepare_peft_model; trainer/utils.py peft_module_casting_to_bf16"),
     ),
     "llamafactory": HF_TRAINER + (
