@@ -22,6 +22,7 @@ Optimizer = Literal[tuple(OPTIMIZERS)]  # type: ignore[valid-type]
 Attention = Literal[tuple(ATTENTIONS)]  # type: ignore[valid-type]
 Precision = Literal["bf16", "fp16", "fp32", "pure-bf16"]
 Offload = Literal["none", "optimizer", "all"]
+QuantStorage = Literal["uint8", "bfloat16", "float16", "float32"]
 # Training stages as LLaMA-Factory names them (plus TRL's ORPO and SimPO): pt and sft
 # run one sequence per sample; rm, dpo, kto, orpo and simpo run preference pairs;
 # ppo holds policy, reference, reward and value models and generates.
@@ -55,6 +56,10 @@ class QuantConfig(_Section):
     bits: Literal[1, 2, 3, 4, 5, 6, 8] = 4
     type: Literal["nf4", "fp4"] = "nf4"
     double_quant: bool = True
+    storage: QuantStorage | None = Field(
+        None, description="bitsandbytes bnb_4bit_quant_storage: the dtype the packed 4-bit "
+        "weights are stored in; a float dtype lets FSDP / ZeRO-3 shard them (null: uint8, "
+        "bfloat16 under ZeRO-3 / FSDP as LLaMA-Factory and the PEFT recipes set it)")
 
     @model_validator(mode="after")
     def _bits_for_method(self) -> QuantConfig:
@@ -63,6 +68,27 @@ class QuantConfig(_Section):
             raise ValueError(f"quantization.bits {self.bits} with method {self.method}: "
                              f"{self.method} takes {', '.join(map(str, allowed))} bits")
         return self
+
+
+class StackOptions(_Section):
+    """Switches of the training stack that change memory (docs/stacks.md)."""
+
+    transformers_version: str | None = Field(
+        None, description="transformers release the run uses (selects the loss path); "
+        "default: the installed one")
+    stack_version: str | None = Field(
+        None, description="release of the stack's own package (trl, ...); default: installed")
+    kbit_upcast: bool | None = Field(
+        None, description="peft prepare_model_for_kbit_training casts the 16-bit non-quantized "
+        "parameters to fp32 (null: the stack's default)")
+    liger_kernel: bool = Field(False, description="Liger kernels with the fused linear "
+                               "cross-entropy (LLaMA-Factory enable_liger_kernel, axolotl "
+                               "liger_fused_linear_cross_entropy)")
+    upcast_layernorm: bool = Field(False, description="LLaMA-Factory upcast_layernorm")
+    upcast_lmhead_output: bool = Field(False, description="LLaMA-Factory upcast_lmhead_output")
+    offload_checkpoints: bool = Field(False, description="checkpointed layer inputs kept in "
+                                      "host RAM (LLaMA-Factory use_unsloth_gc, Unsloth's "
+                                      "'unsloth' gradient checkpointing)")
 
 
 class HardwareConfig(_Section):
@@ -150,6 +176,7 @@ class RunConfig(_Section):
                          "(docs/stacks.md)")
     precision: Precision = "bf16"
     quantization: QuantConfig = QuantConfig()
+    stack_options: StackOptions = StackOptions()
     optimizer: Optimizer = "adamw"
     lora: LoraConfig = LoraConfig()
     micro_batch_size: int = Field(1, ge=1, description="per-GPU batch of one forward pass")
@@ -174,11 +201,14 @@ class RunConfig(_Section):
             )
         if self.offload == "all" and self.zero != 3:
             raise ValueError("offload 'all' (parameters too) needs zero: 3; set zero: 3")
-        if self.method == "qlora" and self.zero == 3:
+        if self.method == "qlora" and self.zero == 3 and self.quant_storage == "uint8":
             raise ValueError(
-                "QLoRA with ZeRO-3 is not modelled: 4-bit weights are not sharded by "
-                "our engines; use zero: 2 or method: lora"
+                "QLoRA with ZeRO-3 / FSDP shards the 4-bit weights only when they are stored "
+                "in a float dtype: set quantization.storage: bfloat16 (bnb_4bit_quant_storage, "
+                "the PEFT docs' recipe), or use zero: 2"
             )
+        if self.method == "qlora" and self.zero == 3 and self.quantization.bits != 4:
+            raise ValueError("QLoRA with ZeRO-3 / FSDP needs 4-bit quantization (bits: 4)")
         if self.precision == "pure-bf16" and self.zero > 0:
             raise ValueError(
                 "pure-bf16 with DeepSpeed ZeRO: DeepSpeed keeps fp32 master weights and "
@@ -189,6 +219,11 @@ class RunConfig(_Section):
         return self
 
     # ---- derived ---------------------------------------------------------
+    @property
+    def quant_storage(self) -> str:
+        """bnb_4bit_quant_storage: stated, else bfloat16 under ZeRO-3 / FSDP, else uint8."""
+        return self.quantization.storage or ("bfloat16" if self.zero == 3 else "uint8")
+
     @property
     def world_size(self) -> int:
         return self.hardware.gpus_per_node * self.hardware.nodes

@@ -14,6 +14,11 @@ JSON schema (``schema_version`` 1), all byte fields are integers:
 - ``components``: breakdown of the peak phase
 - ``non_pytorch_bytes``: {name: bytes} memory outside PyTorch's allocator
 - ``gpu``, ``gpu_memory_bytes``, ``fits``, ``headroom_bytes`` (null without a GPU)
+- ``low_bytes``, ``high_bytes``: the uncertainty band around ``device_peak_bytes``
+  (memory/band.py: from the errors on published GPU measurements; equal to the
+  device peak for a measurement)
+- ``verdict``: "fits" (the upper bound fits the GPU), "tight" (the band straddles it)
+  or "out of memory" (even the lower bound does not fit); null without a GPU
 - ``host_ram_bytes``: host memory the run needs (offload, pinned buffers)
 - ``assumptions``: every approximation made, in words
 - ``config``: the run configuration, ``extra``: method-specific data
@@ -28,6 +33,19 @@ from typing import Any
 SCHEMA_VERSION = 1
 
 TRAIN_PHASES = ("forward", "backward", "optimizer", "evaluation", "generation")
+
+FITS = "fits"
+TIGHT = "tight"
+OUT_OF_MEMORY = "out of memory"
+
+
+def fit_verdict(low_bytes: int, high_bytes: int, gpu_memory_bytes: int) -> str:
+    """fits (the upper bound fits), out of memory (not even the lower bound), or tight."""
+    if high_bytes <= gpu_memory_bytes:
+        return FITS
+    if low_bytes > gpu_memory_bytes:
+        return OUT_OF_MEMORY
+    return TIGHT
 
 
 @dataclass(frozen=True)
@@ -48,6 +66,8 @@ class MemoryEstimate:
     gpu_memory_bytes: int | None = None
     host_ram_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    low_bytes: int | None = None  # band around device_peak_bytes (None: no band computed)
+    high_bytes: int | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -66,6 +86,15 @@ class MemoryEstimate:
             return None
         return self.gpu_memory_bytes - self.device_peak_bytes
 
+    @property
+    def verdict(self) -> str | None:
+        """fits / tight / out of memory from the band (null without a GPU)."""
+        if self.gpu_memory_bytes is None:
+            return None
+        low = self.device_peak_bytes if self.low_bytes is None else self.low_bytes
+        high = self.device_peak_bytes if self.high_bytes is None else self.high_bytes
+        return fit_verdict(low, high, self.gpu_memory_bytes)
+
     def phase_peaks(self) -> dict[str, int]:
         return {phase: sum(parts.values()) for phase, parts in self.breakdown.items()}
 
@@ -75,6 +104,7 @@ class MemoryEstimate:
         d["components"] = dict(self.components)
         d["fits"] = self.fits
         d["headroom_bytes"] = self.headroom_bytes
+        d["verdict"] = self.verdict
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -82,7 +112,7 @@ class MemoryEstimate:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryEstimate:
-        skip = {"components", "fits", "headroom_bytes"}
+        skip = {"components", "fits", "headroom_bytes", "verdict"}
         kwargs = {k: v for k, v in data.items() if k not in skip}
         kwargs["assumptions"] = tuple(kwargs.get("assumptions", ()))
         return cls(**kwargs)

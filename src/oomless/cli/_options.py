@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any, get_args
 
-from ..config import Offload, Precision
+from ..config import Offload, Precision, QuantStorage, Stack
 from ..knobs import ATTENTIONS, METHODS, OPTIMIZERS
 
 # Counts and sizes above this are typing mistakes, not runs (2^40: a trillion).
@@ -78,7 +78,9 @@ _FLAG_KEYS = {
     "lora_dropout": "lora.dropout", "zero": "zero", "offload": "offload",
     "nodes": "hardware.nodes", "host_ram_gb": "hardware.host_ram_gb",
     "eval_batch_size": "eval.batch_size", "max_new_tokens": "eval.max_new_tokens",
-    "images": "data.images_per_sample",
+    "images": "data.images_per_sample", "stack": "stack",
+    "transformers_version": "stack_options.transformers_version",
+    "stack_version": "stack_options.stack_version", "quant_storage": "quantization.storage",
 }
 
 
@@ -91,6 +93,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", choices=list(get_args(Precision)))
     g.add_argument("--optim", choices=list(OPTIMIZERS))
     g.add_argument("--quant", choices=["nf4", "fp4", "int8"], help="QLoRA quantization (nf4)")
+    g.add_argument("--quant-storage", choices=list(get_args(QuantStorage)),
+                   help="bnb_4bit_quant_storage (default bfloat16 under ZeRO-3, else uint8)")
     g.add_argument("--batch-size", type=POSITIVE, help="micro batch per GPU")
     g.add_argument("--grad-accum", type=POSITIVE)
     g.add_argument("--seq-len", type=POSITIVE, help="tokens per sample")
@@ -112,6 +116,17 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--images", type=NON_NEGATIVE, help="images per sample (vision-language models)")
     g.add_argument("--expandable-segments", action="store_true",
                    help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    add_stack_options(g)
+
+
+def add_stack_options(g: Any) -> None:
+    """--stack and the versions that select its loss and LoRA paths (docs/stacks.md)."""
+    g.add_argument("--stack", choices=list(get_args(Stack)),
+                   help="the software that runs the step (default hf-trainer; docs/stacks.md)")
+    g.add_argument("--transformers-version", metavar="X.Y",
+                   help="transformers release of the run (default: the installed one)")
+    g.add_argument("--stack-version", metavar="X.Y",
+                   help="release of the stack's own package, e.g. trl (default: installed)")
 
 
 def _is_run_file(text: str) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..result import MemoryEstimate
+from ..result import FITS, TIGHT, MemoryEstimate
 from ..units import fmt_bytes, fmt_count
 
 _LABELS = {
@@ -29,15 +29,31 @@ def esc(value: object) -> str:
     return escape(str(value))
 
 
+def band_text(est: MemoryEstimate) -> str:
+    """'(−1.2 GiB / +0.9 GiB)' around the device peak, or '' without a band."""
+    if est.low_bytes is None or est.high_bytes is None or est.low_bytes == est.high_bytes:
+        return ""
+    return (f"−{fmt_bytes(est.device_peak_bytes - est.low_bytes)} / "
+            f"+{fmt_bytes(est.high_bytes - est.device_peak_bytes)}")
+
+
 def verdict(est: MemoryEstimate) -> str:
-    if est.fits is None:
-        return f"Needs {fmt_bytes(est.device_peak_bytes)} per GPU (add --gpu to check a fit)."
+    band = band_text(est)
+    span = (f" ({fmt_bytes(est.low_bytes)}–{fmt_bytes(est.high_bytes)})"
+            if band else "")
+    if est.verdict is None:
+        return (f"Needs {fmt_bytes(est.device_peak_bytes)}{span} per GPU "
+                "(add --gpu to check a fit).")
     gpu = est.gpu or "GPU"
-    if est.fits:
-        return (f"[green]FITS[/] on {gpu}: {fmt_bytes(est.device_peak_bytes)} of "
+    if est.verdict == FITS:
+        return (f"[green]FITS[/] on {gpu}: {fmt_bytes(est.device_peak_bytes)}{span} of "
                 f"{fmt_bytes(est.gpu_memory_bytes)}, {fmt_bytes(est.headroom_bytes)} headroom.")
+    if est.verdict == TIGHT:
+        return (f"[yellow]TIGHT[/] on {gpu}: {fmt_bytes(est.device_peak_bytes)}{span} of "
+                f"{fmt_bytes(est.gpu_memory_bytes)} — within the estimate's uncertainty; "
+                "it may run out of memory. Try `oomless plan`.")
     return (f"[red]OUT OF MEMORY[/] on {gpu} in the {est.peak_phase} phase: needs "
-            f"{fmt_bytes(est.device_peak_bytes)} of {fmt_bytes(est.gpu_memory_bytes)} "
+            f"{fmt_bytes(est.device_peak_bytes)}{span} of {fmt_bytes(est.gpu_memory_bytes)} "
             f"({fmt_bytes(-est.headroom_bytes)} short). Try `oomless plan`.")
 
 
@@ -67,6 +83,9 @@ def render_estimate(est: MemoryEstimate, show_assumptions: bool = False) -> None
     for name, n_bytes in est.non_pytorch_bytes.items():
         table.add_row(f"  + {name.replace('_', ' ')}", fmt_bytes(n_bytes), "")
     table.add_row("[bold]device peak[/] (nvidia-smi)", fmt_bytes(est.device_peak_bytes), "")
+    if band_text(est):
+        table.add_row("  uncertainty band (low–high)",
+                      f"{fmt_bytes(est.low_bytes)}–{fmt_bytes(est.high_bytes)}", "")
     out.print(table)
     phases = "  ".join(f"{p} {fmt_bytes(v)}" for p, v in est.phase_peaks().items())
     out.print(f"phases (allocated): {phases}")

@@ -45,7 +45,8 @@ def plan_lines(i: int, p: Any) -> list[str]:
     c = p.config
     epoch = f", epoch {fmt_duration(p.epoch_s)}" if p.epoch_s else ""
     lines = [
-        f"[bold]{i}. {p.family}[/] — {fmt_bytes(p.device_peak_bytes)} of "
+        f"[bold]{i}. {p.family}[/] — {fmt_bytes(p.device_peak_bytes)} "
+        f"(≤ {fmt_bytes(p.high_bytes or p.device_peak_bytes)}) of "
         f"{fmt_bytes(p.budget_bytes)} ({p.peak_phase}) · {p.tokens_per_s:,.0f} tokens/s · "
         f"step {fmt_duration(p.speed['step_s'])}{epoch}",
         f"   {_knobs(c)} · micro batch {c['micro_batch_size']} × accumulation "

@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     more.add_argument("--eval-batch-size", type=POSITIVE)
     more.add_argument("--max-new-tokens", type=NON_NEGATIVE, help="generation during evaluation")
     more.add_argument("--lora-r", type=POSITIVE, help="LoRA rank (fixed)")
+    from ._options import add_stack_options
+
+    add_stack_options(more)
     p.set_defaults(func=run)
 
 
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         effective_batch=args.effective_batch, method=args.method, headroom=args.headroom,
         objective=args.objective, top=args.top, host_ram_gb=args.host_ram_gb,
         images=args.images, eval_batch_size=args.eval_batch_size,
-        max_new_tokens=args.max_new_tokens, lora_r=args.lora_r)
+        max_new_tokens=args.max_new_tokens, lora_r=args.lora_r, stack=args.stack,
+        transformers_version=args.transformers_version, stack_version=args.stack_version)
     spec, req = request_from_options(opts)
     result = plan(spec, req)
     written = (write_best(result, req, spec, args.out, args.force, (args.model, args.data))

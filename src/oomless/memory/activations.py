@@ -54,9 +54,10 @@ class _Saved:
 
 
 def norm_out_bytes(dt: Dtypes, norm_type: str) -> int:
-    """dtype of a norm's output: HF RMSNorm returns the input dtype; LayerNorm
-    runs in fp32 under autocast (autocast's fp32 op list)."""
-    return 4 if (norm_type == "layer" and dt.autocast) else dt.resid_bytes
+    """dtype of a norm's output: HF RMSNorm returns the input dtype (fp32 when its
+    weight is fp32: weight · x promotes); LayerNorm runs in fp32 under autocast
+    (autocast's fp32 op list)."""
+    return 4 if (norm_type == "layer" and dt.autocast) or dt.norm_fp32 else dt.resid_bytes
 
 
 def _norm(saved: _Saved, tag: str, t: int, width: int, dt: Dtypes, plan: LayerPlan,
@@ -79,18 +80,23 @@ def _linear_input(saved: _Saved, name: str, src: str, t: int, width: int, dt: Dt
         key = f"{src}.cast.{name}" if cast else src
         saved.add(key, dt.act_bytes * t * width)
     if name in plan.lora:
-        # PEFT casts the input to the adapter dtype (fp32 adapters under autocast),
-        # so autocast makes each LoRA module its own 16-bit copy to keep
-        # (peft/tuners/lora/layer.py Linear.forward, _cast_input_dtype).
-        own_copy = dt.autocast and dt.trainable_bytes != dt.act_bytes
+        # PEFT casts the input to the adapter dtype (peft/tuners/lora/layer.py
+        # Linear.forward, _cast_input_dtype): under autocast (fp32 adapters) lora_A
+        # then casts it back, so each LoRA module keeps its own 16-bit copy; without
+        # autocast it keeps the adapter-dtype copy itself (none when the dtypes agree).
+        if dt.autocast:
+            own_copy, in_bytes = dt.trainable_bytes != dt.act_bytes, dt.act_bytes
+        else:
+            own_copy, in_bytes = dt.trainable_bytes != src_bytes, dt.trainable_bytes
         if plan.lora_dropout:
             # CUDA native_dropout keeps a 1-byte mask; lora_A keeps the dropped copy.
             saved.add(f"{src}.dropmask.{name}", 1 * t * width)
-            saved.add(f"{src}.dropped.{name}", dt.act_bytes * t * width)
+            saved.add(f"{src}.dropped.{name}", in_bytes * t * width)
         else:
             key = f"{src}.lora_in.{name}" if own_copy else (f"{src}.cast.{name}" if cast else src)
-            saved.add(key, dt.act_bytes * t * width)
-        saved.add(f"{name}.lora_a_out", dt.act_bytes * t * plan.lora_r)
+            saved.add(key, in_bytes * t * width)
+        out_bytes = dt.act_bytes if dt.autocast else dt.trainable_bytes
+        saved.add(f"{name}.lora_a_out", out_bytes * t * plan.lora_r)
 
 
 def _weight_casts(saved: _Saved, spec: ModelSpec, dt: Dtypes, plan: LayerPlan,
@@ -113,7 +119,7 @@ def _weight_casts(saved: _Saved, spec: ModelSpec, dt: Dtypes, plan: LayerPlan,
 def _attention(saved: _Saved, spec: ModelSpec, b: int, s: int, dt: Dtypes,
                plan: LayerPlan) -> None:
     t = b * s
-    a = dt.act_bytes
+    a = dt.attn
     q, kv, nh = spec.q_dim, spec.kv_dim, spec.num_heads
     if spec.qk_norm:  # Qwen3: RMSNorm over head_dim on q and k, fp32 inside
         saved.add("q_norm.in_fp32", 4 * t * q)
@@ -138,13 +144,13 @@ def _attention(saved: _Saved, spec: ModelSpec, b: int, s: int, dt: Dtypes,
     # return it in that memory layout, so .contiguous() is a no-op and o_proj
     # keeps the same storage; eager's matmul output is transposed into a copy.
     ctx = "attn.ctx" if plan.attn == "eager" else "attn.out"
-    _linear_input(saved, "o_proj", ctx, t, q, dt, plan, dt.act_bytes)
+    _linear_input(saved, "o_proj", ctx, t, q, dt, plan, a)
 
 
 def _mlp(saved: _Saved, spec: ModelSpec, tokens: int, width: int, dt: Dtypes,
          plan: LayerPlan, src: str, src_bytes: int, role: str) -> None:
     """A gated (act(gate)·up → down) or plain (act(up) → down) MLP on ``tokens`` rows."""
-    a, h = dt.act_bytes, spec.hidden_size
+    a, h = dt.mlp, spec.hidden_size
     if not spec.mlp_gated:
         first = ["up_proj"]
     elif spec.fused_gate_up:

@@ -7,6 +7,7 @@ from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 from ..result import MemoryEstimate
 from . import constants as C
+from .band import band_assumption, band_bytes
 
 
 def non_pytorch_bytes(cluster: Cluster | None, world_size: int) -> dict[str, int]:
@@ -58,12 +59,16 @@ def finish_estimate(*, spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None,
         "replays the real stream)",
         "CUDA context 500 MiB (lazy loading); NCCL 300 MiB per GPU when world size > 1; "
         "cuBLAS/cuBLASLt workspaces inside PyTorch's allocator",
+        band_assumption(),
     ] + (cluster.gpu.assumptions if cluster else [])
     extra = dict(extra or {})
     extra["allocator_reserve_bytes"] = reserve
     if paged_bytes:
         extra["paged_optimizer_bytes"] = paged_bytes
+    device = peak_alloc + reserve + sum(non_pt.values())
+    low, high = band_bytes(device, method)
     return MemoryEstimate(
+        low_bytes=low, high_bytes=high,
         method=method,
         model=spec.name,
         param_count=spec.param_count,
@@ -71,7 +76,7 @@ def finish_estimate(*, spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None,
         peak_phase=peak_phase,
         peak_allocated_bytes=peak_alloc,
         peak_reserved_bytes=peak_alloc + reserve,
-        device_peak_bytes=peak_alloc + reserve + sum(non_pt.values()),
+        device_peak_bytes=device,
         breakdown=phases,
         non_pytorch_bytes=non_pt,
         assumptions=tuple(assumptions),

@@ -16,9 +16,10 @@ The conventions follow what HF Trainer, PEFT and DeepSpeed do by default:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import RunConfig
+from .stacks import stack_effects
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,27 @@ class Dtypes:
     act_bytes: int  # activations fed to matmuls
     resid_bytes: int  # residual stream (embedding output) dtype
     autocast: bool  # ops run under torch.autocast (weights cast per matmul)
+    norm_fp32: bool = False  # fp32 norm weights: norm outputs are fp32 (stack casts)
+    # bitsandbytes 4-bit linears return their input's dtype (nn/modules.py Linear4bit.forward):
+    # fed fp32 norm outputs, the MLP and the attention projections run in fp32
+    mlp_bytes: int = 0  # MLP intermediates (0: act_bytes)
+    attn_bytes: int = 0  # q, k, v and the attention output kept for backward (0: act_bytes)
+
+    @property
+    def mlp(self) -> int:
+        return self.mlp_bytes or self.act_bytes
+
+    @property
+    def attn(self) -> int:
+        return self.attn_bytes or self.act_bytes
 
 
 def dtypes_for(cfg: RunConfig) -> Dtypes:
+    """The dtypes of ``cfg``'s method × precision × ZeRO, after its stack's casts."""
+    return _stack_casts(cfg, _convention_dtypes(cfg))
+
+
+def _convention_dtypes(cfg: RunConfig) -> Dtypes:
     half = cfg.precision in ("bf16", "fp16")
     if cfg.precision == "fp32":
         return Dtypes(4, 4, 4, 0, 4, 4, 4, False)
@@ -49,3 +68,25 @@ def dtypes_for(cfg: RunConfig) -> Dtypes:
         return Dtypes(2, 4, 4, 0, 4, 2, 2, True)
     # Plain AMP: fp32 module, autocast to 16-bit.
     return Dtypes(4, 4, 4, 0, 4, 2, 4, True)
+
+
+def _stack_casts(cfg: RunConfig, dt: Dtypes) -> Dtypes:
+    """``dt`` after the stack's casts (memory/stacks.py): no autocast, fp32 embeddings or
+    norms, 16-bit adapters."""
+    fx = stack_effects(cfg)
+    if not fx.autocast and dt.autocast:
+        if cfg.method == "full":  # the model in its 16-bit dtype: pure 16-bit training
+            dt = Dtypes(2, 2, 2, 0, 2, 2, 2, False)
+        else:
+            dt = replace(dt, autocast=False)
+    if fx.adapters_16bit and cfg.method != "full":
+        dt = replace(dt, trainable_bytes=2, grad_bytes=2, optim_elem_bytes=2)
+    if "embeddings" in fx.fp32_groups:
+        dt = replace(dt, resid_bytes=4)
+    if "norms" in fx.fp32_groups:
+        dt = replace(dt, norm_fp32=True)
+    if cfg.method == "qlora" and (dt.norm_fp32 or dt.resid_bytes == 4):
+        # 4-bit linears fed fp32 return fp32: the MLP runs in fp32 and its fp32 output
+        # turns the residual stream fp32; SDPA under autocast casts q, k, v back to 16-bit
+        dt = replace(dt, mlp_bytes=4, resid_bytes=4, attn_bytes=0 if dt.autocast else 4)
+    return dt

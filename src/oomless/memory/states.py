@@ -11,7 +11,8 @@ from ..knobs import OPTIMIZERS
 from ..models.spec import LinearSpec, ModelSpec
 from . import constants as C
 from .precision import Dtypes
-from .quantized import check_prequantized, quantized_weight_bytes
+from .quantized import check_prequantized, quant_constant_bytes, quantized_weight_bytes
+from .stacks import StackEffects, stack_effects
 
 # Module names people write in LoRA target lists → our canonical names
 # (ChatGLM, Phi-2, GPT-2, Mixtral-legacy, InternLM spellings).
@@ -97,10 +98,34 @@ class States:
     assumptions: list[str] = field(default_factory=list)
 
 
+def fp32_upcast_params(spec: ModelSpec, fx: StackEffects) -> int:
+    """Non-quantized parameters the stack casts to fp32 (StackEffects.fp32_groups)."""
+    norms = (spec.num_layers * spec.norms_per_layer + 1) * spec.norm_params
+    if spec.qk_norm:
+        norms += spec.num_layers * 2 * spec.head_dim
+    groups = {"embeddings": spec.embedding_params, "lm_head": spec.lm_head_params,
+              "norms": norms}
+    quantized = decoder_linear_weight_params(spec)
+    groups["other"] = max(0, spec.param_count - quantized - sum(groups.values()))
+    return sum(n for name, n in groups.items() if name in fx.fp32_groups)
+
+
 def weight_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
     """Bytes of the base model's weights on one GPU before any ZeRO-3 sharding
-    (quantized linears at their storage bytes: memory/quantized.py)."""
-    return quantized_weight_bytes(spec, cfg, dt)
+    (quantized linears at their storage bytes: memory/quantized.py; the stack's
+    fp32 upcasts: memory/stacks.py)."""
+    upcast = max(0, 4 - dt.base_weight_bytes) * fp32_upcast_params(spec, stack_effects(cfg))
+    return quantized_weight_bytes(spec, cfg, dt) + upcast
+
+
+def qlora_gathered_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
+    """The module ZeRO-3 / FSDP gathers at once under QLoRA: a decoder layer in packed
+    4-bit (frozen: no gradient), or the 16-bit embedding or lm_head, plus the prefetch
+    bucket of the next one."""
+    layer = max(spec.layer_params(False), spec.layer_params(True) if spec.is_moe else 0)
+    packed = 0.5 * layer
+    largest = max(packed, 2 * spec.embedding_params, 2 * spec.lm_head_params)
+    return largest + C.ZERO3_PREFETCH_FRACTION * spec.hidden_size**2 * 2
 
 
 def optimizer_bytes_per_param(cfg: RunConfig, dt: Dtypes) -> float:
@@ -146,8 +171,18 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     shard3 = n if cfg.zero == 3 else 1  # ZeRO-3 partitions the parameters
     shard_opt = n if cfg.zero >= 1 else 1  # ZeRO-1+ partitions optimizer states
     params_on_host = cfg.offload == "all"
-    st.gpu["weights"] = 0 if params_on_host else round(weights / shard3)
-    if cfg.zero == 3:
+    replicated = quant_constant_bytes(spec, cfg, dt) if cfg.zero == 3 else 0
+    st.gpu["weights"] = 0 if params_on_host else round((weights - replicated) / shard3
+                                                       + replicated)
+    if cfg.zero == 3 and cfg.method == "qlora":
+        st.gpu["zero3_gathered"] = round(qlora_gathered_bytes(spec, cfg, dt))
+        st.assumptions.append(
+            "QLoRA sharded (ZeRO-3 / FSDP, bnb_4bit_quant_storage "
+            f"{cfg.quant_storage}): the packed 4-bit weights and 16-bit parameters are "
+            "sharded, the quantization constants (absmax) stay on every GPU; the largest "
+            "module (a layer in packed 4-bit, or the 16-bit embedding / lm_head) is gathered, "
+            "plus a prefetch bucket of 0.9·hidden² elements")
+    elif cfg.zero == 3:
         live = C.ZERO3_LIVE_LAYER_BYTES_PER_PARAM * largest_module_params(spec)
         prefetch = C.ZERO3_PREFETCH_FRACTION * spec.hidden_size**2 * dt.base_weight_bytes
         st.gpu["zero3_gathered"] = round(live + prefetch)

@@ -8,16 +8,21 @@ states (step ≥ 2), as in any real run after the first step.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..config import RunConfig
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 from ..result import MemoryEstimate
 from . import constants as C
 from .activations import LayerPlan, layer_activation_bytes
+from .loss_paths import largest_logits_block_bytes
+from .loss_paths import logits_bytes as stack_logits_bytes
 from .overheads import finish_estimate
 from .precision import Dtypes, dtypes_for
 from .quantized import quantization_assumptions, saved_dequant_bytes, transient_dequant_bytes
-from .states import States, lora_targets, model_states
+from .stacks import FP32_GROUPS_ALL, stack_assumptions, stack_effects
+from .states import States, fp32_upcast_params, lora_targets, model_states
 
 
 def llm_seq_len(spec: ModelSpec, cfg: RunConfig) -> int:
@@ -70,8 +75,10 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
     if cfg.grad_ckpt:
         # Each layer keeps only its input (the residual stream); one layer is
         # recomputed at a time during backward (Chen et al. 2016; HF
-        # gradient_checkpointing).
-        layers = spec.num_layers * dt.resid_bytes * t * spec.hidden_size
+        # gradient_checkpointing). Offloaded checkpointing (stacks.py) keeps the
+        # inputs in host RAM and one layer's on the GPU.
+        on_gpu = 1 if stack_effects(cfg).offload_checkpoints else spec.num_layers
+        layers = on_gpu * dt.resid_bytes * t * spec.hidden_size
     else:
         layers = (spec.num_layers - n_moe) * dense + n_moe * moe
     # 16-bit weights a dequantize-then-matmul kernel keeps for backward (GPTQ)
@@ -88,19 +95,6 @@ def _layer_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: LayerPlan,
                        lambda: layer_activation_bytes(spec, b, s, dt, plan, moe_layer=moe_layer))
 
 
-def logits_bytes(spec: ModelSpec, dt: Dtypes, t: int) -> dict:
-    """Loss buffers (transformers ForCausalLMLoss upcasts logits to fp32):
-    forward: 16-bit logits + fp32 copy + fp32 log_softmax output;
-    backward start: saved log_softmax + its incoming fp32 grad + the fp32 grad
-    of the logits, before the cast back to 16-bit."""
-    v = spec.vocab_size
-    half_logits = 2 if (dt.autocast or dt.act_bytes == 2) else 4
-    upcast = C.LOSS_FP32_BYTES if half_logits == 2 else 0
-    forward = (half_logits + upcast + C.LOSS_FP32_BYTES) * t * v
-    backward = 3 * C.LOSS_FP32_BYTES * t * v
-    return {"forward": forward, "backward": backward}
-
-
 def backward_transient_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> float:
     """Gradients of one layer's intermediates while it back-propagates: the
     MLP's three (t × intermediate) grads plus two residual-stream grads; under
@@ -108,7 +102,7 @@ def backward_transient_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int
     a quantized base dequantises one weight to 16-bit (memory/quantized.py)."""
     width = spec.moe_intermediate_size * spec.experts_per_token if spec.is_moe else 0
     width = max(width, spec.intermediate_size)
-    tr = 3 * dt.act_bytes * t * width + 2 * dt.resid_bytes * t * spec.hidden_size
+    tr = 3 * dt.mlp * t * width + 2 * dt.resid_bytes * t * spec.hidden_size
     biggest = max(lin.weight_params // lin.count for lin in spec.layer_linears())
     if cfg.method == "full":
         tr += dt.act_bytes * biggest
@@ -119,7 +113,7 @@ def largest_block_bytes(spec: ModelSpec, cfg: RunConfig) -> int:
     """The largest tensor a training step allocates and frees: the fp32 logits
     block of the loss (4·tokens·vocab) or a dense embedding gradient."""
     t = cfg.micro_batch_size * llm_seq_len(spec, cfg)
-    logits = C.LOSS_FP32_BYTES * t * spec.vocab_size
+    logits = largest_logits_block_bytes(spec, cfg, t)
     return round(max(logits, embedding_grad_bytes(spec, cfg, dtypes_for(cfg)) / 2))
 
 
@@ -138,7 +132,7 @@ def eval_forward_bytes(spec: ModelSpec, dt: Dtypes, b: int, s: int, attn: str) -
     """No-grad forward: one layer's intermediates at a time plus the loss's logits."""
     t = b * s
     width = max(spec.intermediate_size, spec.moe_intermediate_size * spec.experts_per_token)
-    layer = dt.act_bytes * t * (3 * width + 2 * spec.q_dim + 2 * spec.kv_dim)
+    layer = t * (3 * dt.mlp * width + dt.attn * (2 * spec.q_dim + 2 * spec.kv_dim))
     if attn == "eager":
         layer += (4 + dt.act_bytes) * b * spec.num_heads * s * s
     return layer + dt.resid_bytes * t * spec.hidden_size
@@ -159,30 +153,38 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
     b, s = cfg.micro_batch_size, llm_seq_len(spec, cfg)
     t = b * s
     acts = saved_activation_bytes(spec, cfg, dt, b, s)
-    logits = logits_bytes(spec, dt, t)
+    logits = stack_logits_bytes(spec, cfg, dt, t)
     transient = backward_transient_bytes(spec, cfg, dt, t)
     recompute = acts["one_layer"] if cfg.grad_ckpt else 0
     fwd_grads = grads if cfg.grad_accum > 1 else {}
 
+    # outputs a stack keeps alive until the next forward has returned (custom loop)
+    held = {"logits": logits["held"]} if logits["held"] else {}
     phases: dict[str, dict[str, int]] = {}
     phases["forward"] = {**persistent, **fwd_grads, "activations": acts["layers"],
                          "logits": logits["forward"]}
     start = {**persistent, **fwd_grads, "activations": acts["layers"],
              "logits": logits["backward"]}
-    in_layers = {**persistent, **fwd_grads, "activations": acts["layers"] + recompute,
+    in_layers = {**persistent, **fwd_grads, **held, "activations": acts["layers"] + recompute,
                  "temporaries": transient}
     # the first layer back-propagates last: its activations (saved or
     # recomputed) are alive next to the complete gradients.
-    end = {**persistent, **grads, "activations": acts["one_layer"], "temporaries": transient}
+    end = {**persistent, **grads, **held, "activations": acts["one_layer"],
+           "temporaries": transient}
     # after the first layer: only the embedding's backward is left
-    embed = {**persistent, **grads, "temporaries": embedding_grad_bytes(spec, cfg, dt)}
+    embed = {**persistent, **grads, **held, "temporaries": embedding_grad_bytes(spec, cfg, dt)}
     phases["backward"] = max((start, in_layers, end, embed), key=lambda d: sum(d.values()))
-    phases["optimizer"] = {**persistent, **grads, **step_only}
+    phases["optimizer"] = {**persistent, **grads, **step_only, **held}
+    setup = setup_phase_bytes(spec, cfg, persistent)
+    if setup:
+        phases["setup"] = setup
     if cfg.eval.batch_size or cfg.eval.steps or cfg.eval.predict_with_generate:
         eb = cfg.eval_batch_size
         ev = eval_forward_bytes(spec, dt, eb, s, cfg.attn)
+        ev_logits = stack_logits_bytes(spec, cfg, dt, eb * s)
         phases["evaluation"] = {**persistent, "activations": ev,
-                                "logits": logits_bytes(spec, dt, eb * s)["forward"]}
+                                "logits": ev_logits["forward"] - ev_logits["held"]
+                                + logits["held"]}
     if cfg.eval.predict_with_generate and cfg.eval.max_new_tokens:
         eb = cfg.eval_batch_size
         prompt = cfg.data.max_input_length or s
@@ -191,9 +193,26 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
             **persistent,
             "kv_cache": kv,
             "activations": eval_forward_bytes(spec, dt, eb, prompt, cfg.attn),
-            "logits": 4 * eb * spec.vocab_size * 2,  # last-token logits, fp32, + probs
+            # last-token logits, fp32, + probs
+            "logits": 4 * eb * spec.vocab_size * 2 + logits["held"],
         }
     return {p: {k: round(v) for k, v in d.items() if v} for p, d in phases.items()}
+
+
+def setup_phase_bytes(spec: ModelSpec, cfg: RunConfig, persistent: dict) -> dict[str, float]:
+    """Model preparation before the first step, when the stack runs
+    prepare_model_for_kbit_training and then casts some groups back to 16-bit: the
+    weights with every 16-bit non-quantized parameter in fp32 (and, where the stack's
+    PEFT does not empty the cache, the freed 16-bit originals the allocator holds)."""
+    fx = stack_effects(cfg)
+    if not (fx.setup_upcast and cfg.method == "qlora"):
+        return {}
+    every = fp32_upcast_params(spec, replace(fx, fp32_groups=FP32_GROUPS_ALL))
+    kept = fp32_upcast_params(spec, fx)
+    out = {"weights": persistent.get("weights", 0), "upcast_fp32": 2 * (every - kept)}
+    if fx.setup_cache:
+        out["cached_16bit_copies"] = 2 * every
+    return out
 
 
 def estimate_training(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = None,
@@ -236,15 +255,13 @@ def training_phases(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = N
 
 
 def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
-    out = list(getattr(spec, "assumptions", ())) + [
+    out = list(getattr(spec, "assumptions", ())) + stack_assumptions(cfg) + [
         "steady state: optimizer states exist (step ≥ 2); gradients are freed by "
         "zero_grad(set_to_none=True) after each optimizer step",
         "AdamW is torch's fused implementation (transformers' default adamw_torch_fused): "
         "no per-parameter temporaries in the step",
         "batches are full length without padding, so SDPA runs its flash kernel "
         "(no attention mask, GQA native); padded batches use the memory-efficient kernel",
-        "loss: transformers ForCausalLMLoss upcasts logits to fp32; HF Trainer drops "
-        "the model outputs before backward",
         "activations: per-op saved tensors of an HF Llama-style layer (see "
         "oomless/memory/activations.py); dropout only on LoRA inputs",
     ]

@@ -42,7 +42,8 @@ SEARCH_ASSUMPTIONS = (
     "ZeRO only: LLaMA-Factory refuses it with ZeRO-3, DeepSpeed keeps fp32 masters anyway), "
     "AdamW / paged / 8-bit for full fine-tuning (LoRA/QLoRA keep the requested optimizer: "
     "their states are < 1% of memory), checkpointing, sdpa and flash, every micro batch × "
-    "accumulation split, ZeRO 0-3 with optimizer/parameter offload (no ZeRO-3 for QLoRA)",
+    "accumulation split, ZeRO 0-3 with optimizer/parameter offload (QLoRA under ZeRO-3 "
+    "only on several GPUs, in 4-bit with bnb_4bit_quant_storage bfloat16)",
     "attention 'flash' means transformers' flash_attention_2 (needs the flash-attn package, "
     "Ampere or newer, head_dim ≤ 256); sliding-window attention is counted as full attention",
 )
@@ -136,16 +137,19 @@ def _methods(req: PlanRequest, spec: ModelSpec) -> list[tuple[str, int | None]]:
     return [(base.method, None)]
 
 
-def _shardings(req: PlanRequest, method: str) -> list[tuple[int, str]]:
+def _shardings(req: PlanRequest, method: str, bits: int | None) -> list[tuple[int, str]]:
     base = req.base
     if not req.free("zero"):
         return [(base.zero, base.offload)]
     multi = req.cluster.world_size > 1
+    # QLoRA shards under ZeRO-3 / FSDP in 4-bit with a float quant storage, over several
+    # GPUs (the PEFT docs' recipes); one GPU keeps QLoRA unsharded
+    zero3 = method != "qlora" or (bits == 4 and base.quantization.storage != "uint8" and multi)
     out = [(0, "none")]
     if multi:
-        out += [(1, "none"), (2, "none")] + ([(3, "none")] if method != "qlora" else [])
+        out += [(1, "none"), (2, "none")] + ([(3, "none")] if zero3 else [])
     out.append((2, "optimizer"))
-    if method != "qlora":  # RunConfig: 4-bit weights are not sharded by ZeRO-3
+    if zero3:
         out += [(3, "optimizer"), (3, "all")]
     if req.shardings is not None:
         allowed = set(req.shardings) | {(base.zero, base.offload)}
@@ -250,7 +254,7 @@ def families(req: PlanRequest, spec: ModelSpec) -> Iterator[Family]:
     for method, bits in _methods(req, spec):
         quant = base.quantization.model_copy(update={"bits": bits}) if bits else base.quantization
         for (r, targets, lora_to), (zero, offload) in product(
-                _lora_variants(req, spec, method), _shardings(req, method)):
+                _lora_variants(req, spec, method), _shardings(req, method, bits)):
             if zero == 3 and spec.quantization is not None:
                 continue  # quantized checkpoints are not sharded by ZeRO-3 (LLaMA-Factory refuses)
             lora = base.lora.model_copy(update={"r": r, "targets": targets})

@@ -37,6 +37,9 @@ class PlanOptions:
     eval_batch_size: int | None = None
     max_new_tokens: int | None = None
     lora_r: int | None = None
+    stack: str | None = None  # the training stack (docs/stacks.md); kept by the search
+    transformers_version: str | None = None
+    stack_version: str | None = None
 
 
 def _base_config(opts: PlanOptions, spec: ModelSpec) -> tuple[RunConfig, list[str], set[str]]:
@@ -50,6 +53,11 @@ def _base_config(opts: PlanOptions, spec: ModelSpec) -> tuple[RunConfig, list[st
     else:
         base = RunConfig(model=opts.model)
     changes: dict = {}
+    if opts.stack:
+        changes["stack"] = opts.stack
+    for key in ("transformers_version", "stack_version"):
+        if getattr(opts, key):
+            changes[f"stack_options.{key}"] = getattr(opts, key)
     if opts.method not in ("auto",):
         changes["method"] = opts.method
         fixed.add("method")

@@ -91,6 +91,7 @@ class Plan:
     gpu_memory_bytes: int
     host_ram_bytes: int
     speed: dict[str, float]
+    high_bytes: int = 0  # upper bound of the device peak (memory/band.py); it fits the budget
     changes: list[dict] = field(default_factory=list)
     tradeoffs: list[str] = field(default_factory=list)
     epoch_s: float | None = None
@@ -243,7 +244,8 @@ def _to_plan(spec: ModelSpec, req: PlanRequest, f: _Found) -> Plan:
         config=cfg.to_dict(), family=f.group, device_peak_bytes=est.device_peak_bytes,
         peak_phase=est.peak_phase, budget_bytes=req.budget_bytes,
         gpu_memory_bytes=req.cluster.gpu.memory_bytes, host_ram_bytes=est.host_ram_bytes,
-        speed=f.step.to_dict(), changes=knob_changes(req.base, cfg, req.method_auto),
+        speed=f.step.to_dict(), high_bytes=est.high_bytes or est.device_peak_bytes,
+        changes=knob_changes(req.base, cfg, req.method_auto),
         tradeoffs=list(f.tradeoffs), epoch_s=epoch_s, phase_peaks=est.phase_peaks(),
         memory_assumptions=list(est.assumptions),
     )
@@ -274,8 +276,8 @@ def search(spec: ModelSpec, req: PlanRequest) -> PlanResult:
 def _assumptions(req: PlanRequest, plans: list[Plan]) -> list[str]:
     out = [
         f"fits: predicted device peak (nvidia-smi) ≤ {1 - req.headroom:.0%} of the GPU's "
-        "memory in every phase (training step, evaluation, generation), and offload fits "
-        "in host RAM",
+        "memory in every phase (training step, evaluation, generation), its upper bound "
+        "(memory/band.py) ≤ the GPU's memory, and offload fits in host RAM",
         f"effective batch {req.effective_batch} = micro batch × accumulation × "
         f"{req.cluster.world_size} data-parallel GPUs, exactly",
     ]

@@ -1,10 +1,11 @@
 """Scoring one candidate: does it fit (memory), and how fast is it (speed).
 
 Memory comes from the analytic estimator (oomless.memory) — the planner has
-no memory formulas of its own. A candidate fits when its predicted device
-peak (what nvidia-smi would show, the maximum over every phase: training
-step, evaluation, generation) is at most (1 − headroom) × the GPU's memory,
-and the host RAM covers what offload puts there.
+no memory formulas of its own. A candidate fits when its predicted device peak
+(what nvidia-smi would show, the maximum over every phase: training step,
+evaluation, generation) is at most (1 − headroom) × the GPU's memory, the upper
+bound of that peak (memory/band.py) fits the GPU's memory, and the host RAM covers
+what offload puts there.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import RunConfig
+from ..memory.band import band_bytes
 from ..memory.overheads import peak_bytes
 from ..memory.precision import dtypes_for
 from ..memory.states import States, decoder_linear_weight_params, model_states, weight_bytes
@@ -28,7 +30,7 @@ class Fit:
     host_bytes: int
     paged_bytes: int
     fits: bool
-    over_bytes: int  # device bytes above the budget (≤ 0 when within)
+    over_bytes: int  # bytes above the budget or, for the upper bound, the GPU (≤ 0: fits)
     host_short_bytes: int  # host bytes missing for offload (0 when enough)
 
 
@@ -66,7 +68,9 @@ class CandidateScorer:
         host_short = 0
         if st.host_bytes and self.req.host_ram_bytes:
             host_short = max(0, st.host_bytes - self.req.host_ram_bytes)
-        over = device - self.budget_bytes
+        # a plan keeps the headroom and its upper bound (memory/band.py) fits the GPU
+        over = max(device - self.budget_bytes,
+                   band_bytes(device)[1] - self.cluster.gpu.memory_bytes)
         return Fit(device, phase, st.host_bytes, st.paged_bytes,
                    over <= 0 and host_short == 0, over, host_short)
 

@@ -51,16 +51,25 @@ class BuiltModel:
 # ---- dtypes ------------------------------------------------------------------------
 def base_dtype(cfg: RunConfig) -> torch.dtype:
     """dtype the model's own weights are created in."""
+    from ..memory.stacks import stack_effects
+
     half = torch.float16 if cfg.precision == "fp16" else torch.bfloat16
     if cfg.precision == "fp32":
         return torch.float32
     if cfg.precision == "pure-bf16":
         return torch.bfloat16
+    if not stack_effects(cfg).autocast:  # a loop without autocast trains the 16-bit model
+        return half
     return half if cfg.method in ("lora", "qlora") else torch.float32
 
 
 def autocast_dtype(cfg: RunConfig) -> torch.dtype | None:
-    """dtype of torch.autocast around the forward (HF Trainer bf16=True / fp16=True)."""
+    """dtype of torch.autocast around the forward (HF Trainer bf16=True / fp16=True;
+    None for a stack that runs without autocast)."""
+    from ..memory.stacks import stack_effects
+
+    if not stack_effects(cfg).autocast:
+        return None
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
 
 
@@ -207,11 +216,15 @@ def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake"
             _quantize_4bit(model, cfg, None, device)
     if cfg.grad_ckpt:
         model.activation_checkpointing_enable()
+    from .trace.stacks import after_lora, prepare_base_model
+
+    notes += prepare_base_model(model, cfg)  # the training stack's casts and hooks
     if cfg.method in ("lora", "qlora"):
         # fake mode: adapters are created on the meta device like the base weights
         # (PEFT would otherwise initialise them for real on the CPU, which is slow)
         with torch.device("meta") if mode == "fake" else contextlib.nullcontext():
             model = _apply_lora(model, cfg)
+    notes += after_lora(model, cfg)
     if mode == "fake":
         if cfg.method == "qlora":
             _quantize_4bit(model, cfg, _fake_mode(), "cpu")

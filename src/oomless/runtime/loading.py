@@ -106,9 +106,12 @@ def _quantization_config(cfg: RunConfig, compute_dtype: Any, device_type: str) -
                           "estimated, not trained)")
     if q.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
+    import torch
+
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.type,
                               bnb_4bit_use_double_quant=q.double_quant,
-                              bnb_4bit_compute_dtype=compute_dtype)
+                              bnb_4bit_compute_dtype=compute_dtype,
+                              bnb_4bit_quant_storage=getattr(torch, cfg.quant_storage))
 
 
 def load_model(cfg: RunConfig, device: Any) -> tuple[Any, Path]:
@@ -123,7 +126,12 @@ def load_model(cfg: RunConfig, device: Any) -> tuple[Any, Path]:
     kwargs: dict[str, Any] = {"dtype": weights_dtype, "attn_implementation": ATTENTIONS[cfg.attn].hf_implementation,
                               "trust_remote_code": cfg.training.trust_remote_code,
                               "local_files_only": True}
-    if quant is not None:
+    if quant is not None and cfg.zero == 3:
+        # QLoRA under ZeRO-3: no device map (DeepSpeed places the shards), the 16-bit
+        # parameters in the quant storage dtype so that every shard has one dtype (PEFT
+        # docs, "Use PEFT QLoRA and DeepSpeed with ZeRO3")
+        kwargs.update(quantization_config=quant, dtype=getattr(torch, cfg.quant_storage))
+    elif quant is not None:
         kwargs.update(quantization_config=quant, device_map={"": device.index or 0})
     from ..dataset.vision import is_vision_model
 

@@ -112,6 +112,11 @@ def trace_training(cfg: RunConfig, cluster: Cluster | None = None, *, resolved: 
         return analytic_fallback(spec, cfg, cluster, (
             f"transformers does not implement model type '{spec.model_type}', "
             "so the model cannot be built for a trace"), alloc_config)
+    from .stacks import trace_unsupported
+
+    reason = trace_unsupported(cfg)
+    if reason:
+        return analytic_fallback(spec, cfg, cluster, reason, alloc_config)
     started = time.perf_counter()
     try:
         from ...memory.training import llm_seq_len
@@ -207,7 +212,7 @@ def _wants_eval(cfg: RunConfig) -> bool:
 
 def _assumptions(cfg: RunConfig, runs: list[TraceStats], plan: LayerPlan | None) -> list[str]:
     out = [
-        "trace: the real transformers/PEFT/bitsandbytes modules run two HF-Trainer steps "
+        f"trace: the real transformers/PEFT/bitsandbytes modules run two {cfg.stack} steps "
         "(forward under autocast with accelerate's fp32 output conversion, backward, "
         "gradient clipping, optimizer step, zero_grad) on CPU fake tensors; every tensor "
         "storage is tracked at the dispatcher",
@@ -220,8 +225,8 @@ def _assumptions(cfg: RunConfig, runs: list[TraceStats], plan: LayerPlan | None)
         "the same output and log-sum-exp (that kernel's backward workspace is not emulated)",
         "precision as HF Trainer + PEFT: LoRA/QLoRA load the base in 16-bit with fp32 "
         "adapters, full fine-tuning keeps fp32 weights, both under bf16/fp16 autocast; "
-        "pure-bf16 is bf16 throughout without autocast; QLoRA keeps lm_head, embeddings "
-        "and norms in 16-bit",
+        "pure-bf16 is bf16 throughout without autocast; then the stack's own casts, "
+        "hooks and loss (runtime/trace/stacks.py)",
         "batches are full length without padding (no attention mask), use_cache off",
         "reserved memory from replaying the alloc/free stream through a simulation of "
         "PyTorch's CUDA caching allocator (one stream)",
@@ -298,6 +303,13 @@ def _estimate(spec: Any, cfg: RunConfig, cluster: Cluster | None, runs: list[Tra
     generation = _analytic_generation(spec, cfg, cluster, breakdown)
     if generation:
         breakdown["generation"] = generation
+    from ...memory.training import setup_phase_bytes
+
+    # model preparation before the first step (prepare_model_for_kbit_training's fp32
+    # copies): analytic, on the traced weights
+    setup = setup_phase_bytes(spec, cfg, breakdown.get("optimizer", {}))
+    if setup:
+        breakdown["setup"] = {k: round(v) for k, v in setup.items()}
     totals = {p: sum(c.values()) for p, c in breakdown.items()}
     peak_phase = max(totals, key=totals.__getitem__)
     peak_alloc = totals[peak_phase]
@@ -314,7 +326,11 @@ def _estimate(spec: Any, cfg: RunConfig, cluster: Cluster | None, runs: list[Tra
     }
     if nums["paged_bytes"]:
         extra["paged_optimizer_bytes"] = nums["paged_bytes"]
+    from ...memory.band import band_bytes
+
+    low, high = band_bytes(reserved + sum(non_pt.values()), "trace")
     return MemoryEstimate(
+        low_bytes=low, high_bytes=high,
         method="trace", model=spec.name, param_count=nums["param_count"],
         trainable_params=nums["trainable_params"], peak_phase=peak_phase,
         peak_allocated_bytes=peak_alloc, peak_reserved_bytes=reserved,

@@ -81,39 +81,51 @@ def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Ten
               eval_batch: dict[str, torch.Tensor] | None = None) -> list[float]:
     """``iterations`` optimizer steps; returns the losses. ``on_grads`` gets the trained
     parameters after backward, ``on_states`` the optimizer after its step."""
+    from .stacks import step_context
+
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, device_type)
     scaler = torch.amp.GradScaler(device_type) if cfg.precision == "fp16" else None
     forward = training_forward(model, cfg)
     losses: list[float] = []
+    held: list[Any] = []  # outputs a stack keeps until its next forward (stacks.py)
     # with gradient accumulation, a second micro batch runs while the first one's
     # gradients are held: two micro batches show every state a longer run reaches
     micro_batches = min(cfg.grad_accum, 2)
-    for it in range(iterations):
-        for _ in range(micro_batches):
-            losses.append(_micro_step(forward, batch, cfg, device_type, scaler, on_phase, it))
-        if on_grads:
-            on_grads(params)
-        on_phase("optimizer", it)
-        _optimizer_step(optimizer, params, cfg, scaler)
-        if on_states:
-            on_states(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-    if eval_batch is not None:
-        on_phase("evaluation", iterations)
-        evaluate(model, cfg, eval_batch, device_type)
+    with step_context(cfg):
+        for it in range(iterations):
+            for _ in range(micro_batches):
+                losses.append(_micro_step(forward, batch, cfg, device_type, scaler, on_phase,
+                                          it, held))
+            if on_grads:
+                on_grads(params)
+            on_phase("optimizer", it)
+            _optimizer_step(optimizer, params, cfg, scaler)
+            if on_states:
+                on_states(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        if eval_batch is not None:
+            on_phase("evaluation", iterations)
+            evaluate(model, cfg, eval_batch, device_type)
     return losses
 
 
 def _micro_step(forward: Callable[..., Any], batch: dict[str, torch.Tensor], cfg: RunConfig,
                 device_type: str, scaler: Any, on_phase: Callable[[str, int], None],
-                iteration: int) -> Any:
-    """Forward (autocast) and backward of one micro batch; the loss, detached."""
+                iteration: int, held: list[Any]) -> Any:
+    """Forward (autocast) and backward of one micro batch; the loss, detached. The
+    stack computes the loss (stacks.stack_loss); a stack that keeps its outputs holds
+    them in ``held`` until the next forward has returned."""
+    from .stacks import keeps_outputs, stack_loss
+
     ac = autocast_dtype(cfg)
     on_phase("forward", iteration)
     with torch.autocast(device_type, dtype=ac or torch.bfloat16, enabled=ac is not None):
-        outputs = forward(**batch)
-    loss = outputs.loss / cfg.grad_accum  # Trainer scales the loss for accumulation
+        loss, outputs = stack_loss(cfg)(forward, batch)
+    held.clear()
+    if keeps_outputs(cfg):
+        held.append(outputs)
+    loss = loss / cfg.grad_accum  # Trainer scales the loss for accumulation
     del outputs
     on_phase("backward", iteration)
     (scaler.scale(loss) if scaler else loss).backward()

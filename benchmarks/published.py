@@ -1,0 +1,163 @@
+"""Estimates against memory that others measured on real GPUs.
+
+Reads benchmarks/published_rows.yaml (each row: source with commit or URL, the exact
+quote, the configuration, which counter was measured), writes the run configuration of
+each training row to benchmarks/published/<id>.yaml, runs the `oomless estimate` command
+of every row, and compares the figure that matches the measured counter:
+
+- reserved → peak_reserved_bytes; allocated → peak_allocated_bytes (HF generate:
+  weights + KV cache + activations + logits); vLLM's profiler → weights + non-torch +
+  activation peak; unknown and limits → device_peak_bytes (a limit row compares with the
+  card's memory: the configuration was the longest that fitted).
+
+Error = predicted / measured − 1 (negative: under-estimate). Writes
+benchmarks/results/published.json and published.md, and prints the band the rows imply
+(oomless/memory/band.py must hold the same numbers).
+
+    python benchmarks/published.py
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = ROOT / "benchmarks" / "published_rows.yaml"
+CONFIGS = ROOT / "benchmarks" / "published"
+RESULTS = ROOT / "benchmarks" / "results"
+GiB = 1024**3
+KNOWN_COUNTERS = ("allocated", "reserved", "vllm-profiler")
+
+
+def measured_bytes(row: dict) -> int:
+    value, unit = row["measured"]["value"], row["measured"]["unit"]
+    if unit == "bytes":
+        return int(value)
+    if unit == "MiB":
+        return round(value * 2**20)
+    if unit in ("GiB", "GB"):  # "GB" in these sources is read as GiB: the larger reading
+        return round(value * GiB)
+    if unit == "gpu":  # a limit: the card's memory from the GPU catalog
+        sys.path.insert(0, str(ROOT / "src"))
+        from oomless.models.hardware import get_gpu
+
+        return get_gpu(value).memory_bytes
+    raise ValueError(f"{row['id']}: unknown unit {unit}")
+
+
+def command(row: dict) -> list[str]:
+    """The oomless arguments of a row (writing its run configuration first)."""
+    if "run" in row:
+        path = CONFIGS / f"{row['id']}.yaml"
+        CONFIGS.mkdir(exist_ok=True)
+        path.write_text(f"# {row['source']}\n" + yaml.safe_dump(row["run"], sort_keys=False))
+        return ["estimate", str(path.relative_to(ROOT))]
+    return list(row["argv"])
+
+
+def predicted_bytes(row: dict, out: dict) -> tuple[int, int | None, int | None]:
+    """(point, low, high) in the measured counter's terms."""
+    kind = row["compare"]
+    if kind == "hf-allocated":
+        point = sum(out[k] for k in ("weights_bytes", "kv_cache_bytes", "activations_bytes",
+                                     "logits_bytes"))
+        return point, None, None
+    if kind == "vllm-non-kv":
+        return out["weights_bytes"] + out["profile_peak_bytes"] + out["non_torch_bytes"], None, None
+    field = {"reserved": "peak_reserved_bytes", "allocated": "peak_allocated_bytes",
+             "device": "device_peak_bytes"}[kind]
+    point = out[field]
+    scale = point / out["device_peak_bytes"]  # the band is relative: carry it to this counter
+    return point, round(out["low_bytes"] * scale), round(out["high_bytes"] * scale)
+
+
+def run_row(row: dict) -> dict:
+    argv = command(row)
+    proc = subprocess.run([sys.executable, "-m", "oomless", *argv, "--json"], cwd=ROOT,
+                          capture_output=True, text=True, env={"PYTHONPATH": str(ROOT / "src"),
+                                                               "PATH": "/usr/bin:/bin"})
+    if proc.returncode:
+        raise SystemExit(f"{row['id']}: oomless failed: {proc.stderr[-2000:]}")
+    out = json.loads(proc.stdout)
+    point, low, high = predicted_bytes(row, out)
+    measured = measured_bytes(row)
+    return {
+        "id": row["id"], "group": row["group"], "source": row["source"], "quote": row["quote"],
+        "setup": row["setup"], "counter": row["counter"], "compare": row["compare"],
+        "command": "oomless " + " ".join(argv), "measured_bytes": measured,
+        "predicted_bytes": point, "low_bytes": low, "high_bytes": high,
+        "error": round(point / measured - 1, 4), "band_row": bool(row.get("band")),
+        "inside_band": None if low is None else low <= measured <= high,
+        "peak_phase": out.get("peak_phase"), "note": row.get("note", ""),
+    }
+
+
+def summary(results: list[dict]) -> dict:
+    def stats(rows: list[dict]) -> dict:
+        errs = [r["error"] for r in rows]
+        if not errs:
+            return {"rows": 0}
+        return {"rows": len(errs), "median_abs_error": round(statistics.median(map(abs, errs)), 4),
+                "worst_error": max(errs, key=abs), "under_estimates": sum(e < 0 for e in errs),
+                "under_by_more_than_10pct": sum(e < -0.10 for e in errs)}
+
+    known = [r for r in results if r["counter"] in KNOWN_COUNTERS]
+    band_rows = [r["error"] for r in results if r["band_row"]]
+    return {
+        "all": stats(results), "counter_known": stats(known),
+        "training": stats([r for r in results if r["group"] == "training"]),
+        "inference": stats([r for r in results if r["group"] == "inference"]),
+        "band": {"rows": len(band_rows), "worst_under_estimate": min(band_rows),
+                 "worst_over_estimate": max(band_rows)},
+        "inside_band": sum(bool(r["inside_band"]) for r in results if r["low_bytes"] is not None),
+        "with_band": sum(r["low_bytes"] is not None for r in results),
+    }
+
+
+def markdown(results: list[dict], summ: dict) -> str:
+    k, a = summ["counter_known"], summ["all"]
+    lines = [
+        f"# Published GPU measurements vs oomless ({date.today().isoformat()})", "",
+        f"{a['rows']} rows; counter known on {k['rows']}: median |error| "
+        f"{k['median_abs_error']:.1%}, worst {k['worst_error']:+.1%}, "
+        f"{k['under_estimates']} under-estimates. All rows: median |error| "
+        f"{a['median_abs_error']:.1%}, worst {a['worst_error']:+.1%}, {a['under_estimates']} "
+        f"under-estimates, {a['under_by_more_than_10pct']} by more than 10%.", "",
+        "| row | counter | measured | oomless | error | command | source |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['id']} | {r['counter']} | {r['measured_bytes'] / GiB:.2f} GiB | "
+            f"{r['predicted_bytes'] / GiB:.2f} GiB | {r['error']:+.1%} | `{r['command']}` | "
+            f"[source]({r['source']}) |")
+    lines += ["", "Notes per row:", ""]
+    lines += [f"- **{r['id']}** — {r['setup']}. Quote: “{r['quote']}”. {r['note']}".rstrip()
+              for r in results]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    rows = yaml.safe_load(ROWS.read_text())
+    results = [run_row(r) for r in rows]
+    summ = summary(results)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "published.json").write_text(json.dumps(
+        {"date": date.today().isoformat(), "summary": summ, "rows": results}, indent=2) + "\n")
+    (RESULTS / "published.md").write_text(markdown(results, summ))
+    for r in results:
+        print(f"{r['id']:34s} {r['counter']:14s} {r['measured_bytes'] / GiB:7.2f} "
+              f"{r['predicted_bytes'] / GiB:7.2f} {r['error']:+.1%}")
+    print(json.dumps(summ, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

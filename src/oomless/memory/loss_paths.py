@@ -1,0 +1,110 @@
+"""Logits and loss memory: what the step holds between lm_head and the loss's backward.
+
+For a plain transformers loss (units of tokens t × vocabulary V bytes; L is the
+logits' element size as the model returns them):
+
+- forward peak: L (the model's logits) + 4 (the loss's fp32 copy, when L is 16-bit)
+  + 4 (the shifted fp32 copy, transformers < 4.49) + 4 (log_softmax's output, kept
+  for backward);
+- backward start: 12 — the saved log_softmax, its incoming gradient (nll_loss's
+  backward) and the logits' fp32 gradient (log_softmax's backward), plus L when the
+  stack keeps its outputs alive;
+- held: L in every other phase when the stack keeps its outputs (until the next
+  forward has returned).
+
+``benchmarks/loss_versions.py`` measures the slope of the step's peak with the real
+code of transformers 4.36 to 5.23 in both conventions; the analytic slope equals it.
+
+Fused losses never build the t × V logits: Liger's fused linear cross-entropy
+(one chunk of rows × V in the activation dtype, plus the t × hidden input gradient it
+computes in the forward), TRL's fused LM head (4096-token × 32768-entry tiles, an fp32
+t × hidden gradient in the backward) and Unsloth's fused cross-entropy (chunks sized to
+16 B per logit within 4 GiB).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..config import RunConfig
+from ..models.spec import ModelSpec
+from ..units import GiB
+from . import constants as C
+from .precision import Dtypes
+from .stacks import StackEffects, stack_effects
+
+# trl kernels/chunked_logprob.py TOKEN_CHUNK_SIZE; trl trainer/utils.py
+# _CHUNKED_LOGPROB_CHUNK_SIZE (vocabulary entries per tile)
+TRL_TOKEN_TILE = 4096
+TRL_VOCAB_TILE = 32768
+# unsloth_zoo fused_losses/cross_entropy_loss.py: _CE_BYTES_PER_LOGIT, _CE_TARGET_GB_CAP
+UNSLOTH_BYTES_PER_LOGIT = 16
+UNSLOTH_TARGET_BYTES = 4 * GiB
+
+
+def model_logits_bytes(cfg: RunConfig, dt: Dtypes, fx: StackEffects) -> int:
+    """Element size of the logits the model returns."""
+    if fx.loss.model_upcasts or fx.lmhead_fp32_output:
+        return 4
+    if not dt.autocast and ("lm_head" in fx.fp32_groups or "embeddings" in fx.fp32_groups
+                            or dt.act_bytes == 4):
+        return 4  # an fp32 lm_head (or model) outside autocast computes fp32 logits
+    return 2 if (dt.autocast or dt.act_bytes == 2) else 4
+
+
+def lm_head_cast_bytes(spec: ModelSpec, dt: Dtypes, fx: StackEffects) -> int:
+    """An fp32 frozen lm_head under autocast: the matmul keeps its 16-bit cast of the
+    weight for the input gradient until lm_head's backward (autocast caches only leaves
+    that require grad, so the cast is made per call and saved)."""
+    head = "embeddings" if spec.tie_embeddings else "lm_head"
+    if dt.autocast and head in fx.fp32_groups:
+        return dt.act_bytes * spec.vocab_size * spec.hidden_size
+    return 0
+
+
+def logits_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> dict[str, float]:
+    """{"forward", "backward", "held"}: the logits region's bytes at the forward's peak,
+    at the backward's start, and what stays alive in every other phase."""
+    fx = stack_effects(cfg)
+    if fx.fused_loss:
+        return _fused(spec, cfg, dt, t, fx.fused_loss)
+    v = spec.vocab_size
+    lb = model_logits_bytes(cfg, dt, fx)
+    copy = C.LOSS_FP32_BYTES if lb == 2 else 0
+    shift = C.LOSS_FP32_BYTES if fx.loss.shift_copy else 0
+    kept = lb if fx.keep_outputs else 0
+    cast = lm_head_cast_bytes(spec, dt, fx)
+    forward = (kept + lb + copy + shift + C.LOSS_FP32_BYTES) * t * v + cast
+    backward = (kept + 3 * C.LOSS_FP32_BYTES) * t * v + cast
+    return {"forward": forward, "backward": backward, "held": kept * t * v}
+
+
+def _fused(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int, kind: str) -> dict[str, float]:
+    h, v, a = spec.hidden_size, spec.vocab_size, dt.act_bytes
+    lm_head_grad = 4 * v * h if cfg.method == "full" else 0
+    if kind == "liger":
+        # liger ops/fused_linear_cross_entropy.py: chunk = next_pow2(ceil(t / ceil(V / h)))
+        chunk = min(t, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(t / math.ceil(v / h)))))))
+        saved = a * t * h + 4 * t + lm_head_grad  # grad_input (+ grad_weight), loss_1d
+        return {"forward": saved + a * chunk * v, "backward": saved, "held": 0}
+    if kind == "trl":
+        # the tile buffer is min(tokens, 4096) × 32768 whatever the vocabulary
+        tile = a * min(t, TRL_TOKEN_TILE) * TRL_VOCAB_TILE
+        vectors = 7 * 4 * t
+        forward = a * t * h + vectors + tile  # kept hidden copy, per-token sums, the tile
+        backward = a * t * h + 4 * t * h + 3 * 4 * t + tile + lm_head_grad
+        return {"forward": forward, "backward": backward, "held": 0}
+    # unsloth: chunks within the byte target, plus the t × hidden input gradient
+    chunked = min(UNSLOTH_BYTES_PER_LOGIT * t * v, UNSLOTH_TARGET_BYTES)
+    return {"forward": chunked + a * t * h, "backward": chunked + a * t * h, "held": 0}
+
+
+def largest_logits_block_bytes(spec: ModelSpec, cfg: RunConfig, t: int) -> float:
+    """The largest single block the loss allocates: one fp32 t × V tensor, or a fused
+    loss's tile."""
+    fx = stack_effects(cfg)
+    if not fx.fused_loss:
+        return C.LOSS_FP32_BYTES * t * spec.vocab_size
+    if fx.fused_loss == "unsloth":
+        return min(UNSLOTH_BYTES_PER_LOGIT * t * spec.vocab_size, UNSLOTH_TARGET_BYTES) / 4
+    return 4 * t * spec.hidden_size
