@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from ..models.spec import ModelSpec
 from . import constants as C
+from .gemma import rms_normed_bytes, softcap_scores_bytes
 from .precision import Dtypes
 
 
@@ -60,14 +61,14 @@ def norm_out_bytes(dt: Dtypes, norm_type: str) -> int:
 
 
 def _norm(saved: _Saved, tag: str, t: int, width: int, dt: Dtypes, plan: LayerPlan,
-          norm_type: str) -> None:
+          norm_type: str, normed_bytes: int | None = None) -> None:
     """HF RMSNorm computes in fp32: pow and mul keep the fp32 input (4 B); a
     trained weight also keeps the normalised tensor. LayerNorm keeps its
     (fp32) input plus per-row mean and rstd."""
     saved.add(f"{tag}.in_fp32", 4 * t * width)
     saved.add(f"{tag}.stats", 4 * t * 2)
     if plan.norm_trainable and norm_type == "rms":
-        saved.add(f"{tag}.normed", dt.resid_bytes * t * width)
+        saved.add(f"{tag}.normed", (normed_bytes or dt.resid_bytes) * t * width)
 
 
 def _linear_input(saved: _Saved, name: str, src: str, t: int, width: int, dt: Dtypes,
@@ -115,9 +116,12 @@ def _attention(saved: _Saved, spec: ModelSpec, b: int, s: int, dt: Dtypes,
     t = b * s
     a = dt.act_bytes
     q, kv, nh = spec.q_dim, spec.kv_dim, spec.num_heads
-    if spec.qk_norm:  # Qwen3: RMSNorm over head_dim on q and k, fp32 inside
+    if spec.qk_norm:  # Qwen3, Gemma-3: RMSNorm over head_dim on q and k, fp32 inside
         saved.add("q_norm.in_fp32", 4 * t * q)
         saved.add("k_norm.in_fp32", 4 * t * kv)
+        if plan.norm_trainable:  # the normalised q and k, for the weight's gradient
+            saved.add("q_norm.normed", rms_normed_bytes(spec, a) * t * q)
+            saved.add("k_norm.normed", rms_normed_bytes(spec, a) * t * kv)
     if plan.attn == "eager":
         # q·kᵀ keeps q and the repeated k; softmax keeps its fp32 output; its
         # 16-bit copy is kept by probs·v together with the repeated v.
@@ -126,6 +130,7 @@ def _attention(saved: _Saved, spec: ModelSpec, b: int, s: int, dt: Dtypes,
         saved.add("attn.v_rep", a * t * q)
         saved.add("attn.probs_fp32", 4 * b * nh * s * s)
         saved.add("attn.probs", a * b * nh * s * s)
+        saved.add("attn.softcap_tanh", softcap_scores_bytes(spec, b, s, dt, plan.attn))
     else:
         # Flash / memory-efficient kernels keep q, k, v, the output and the
         # fp32 log-sum-exp (no s² matrix); GQA runs natively (enable_gqa).
@@ -173,17 +178,18 @@ def layer_activation_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: La
     t = b * s
     h = spec.hidden_size
     _weight_casts(saved, spec, dt, plan, moe_layer)
-    _norm(saved, "norm1", t, h, dt, plan, spec.norm_type)
+    normed = rms_normed_bytes(spec, dt.resid_bytes)
+    _norm(saved, "norm1", t, h, dt, plan, spec.norm_type, normed)
     qkv = ["qkv_proj"] if spec.fused_qkv else ["q_proj", "k_proj", "v_proj"]
     nb = norm_out_bytes(dt, spec.norm_type)
     for name in qkv:
         _linear_input(saved, name, "x_norm1", t, h, dt, plan, nb)
     _attention(saved, spec, b, s, dt, plan)
     if spec.norms_per_layer > 1:  # Phi-2's parallel block shares one norm
-        _norm(saved, "norm2", t, h, dt, plan, spec.norm_type)
+        _norm(saved, "norm2", t, h, dt, plan, spec.norm_type, normed)
         if spec.norms_per_layer >= 4:  # Gemma-2 post-attention / post-MLP norms
-            _norm(saved, "norm3", t, h, dt, plan, spec.norm_type)
-            _norm(saved, "norm4", t, h, dt, plan, spec.norm_type)
+            _norm(saved, "norm3", t, h, dt, plan, spec.norm_type, normed)
+            _norm(saved, "norm4", t, h, dt, plan, spec.norm_type, normed)
     src = "x_norm2" if spec.norms_per_layer > 1 else "x_norm1"
     if not moe_layer:
         _mlp(saved, spec, t, spec.intermediate_size, dt, plan, src, nb, "mlp")

@@ -14,6 +14,8 @@ from ..models.spec import ModelSpec
 from ..result import MemoryEstimate
 from . import constants as C
 from .activations import LayerPlan, layer_activation_bytes
+from .gemma import (effective_attn, gemma_assumptions, is_sliding_layer, sliding_mask_bytes,
+                    softcap_logits_bytes)
 from .overheads import finish_estimate
 from .precision import Dtypes, dtypes_for
 from .states import States, lora_targets, model_states
@@ -38,7 +40,7 @@ def layer_plan(spec: ModelSpec, cfg: RunConfig) -> LayerPlan:
         lora_r=cfg.lora.r,
         lora_dropout=cfg.lora.dropout > 0,
         norm_trainable=full,
-        attn=cfg.attn,
+        attn=effective_attn(spec, cfg.attn),
     )
 
 
@@ -64,15 +66,17 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
         # so the first layer's input norm keeps nothing (with checkpointing HF
         # makes the embedding output require grad, enable_input_require_grads).
         shared -= 4 * t * spec.hidden_size + 4 * t * 2
-    if cfg.attn == "eager":
+    if effective_attn(spec, cfg.attn) == "eager":
         shared += dt.act_bytes * b * s * s  # additive causal mask (b, 1, s, s)
+    masks, mask_one = sliding_mask_bytes(spec, b, s, dt, plan.attn)
+    one_layer += mask_one
     if cfg.grad_ckpt:
         # Each layer keeps only its input (the residual stream); one layer is
         # recomputed at a time during backward (Chen et al. 2016; HF
         # gradient_checkpointing).
         layers = spec.num_layers * dt.resid_bytes * t * spec.hidden_size
     else:
-        layers = (spec.num_layers - n_moe) * dense + n_moe * moe
+        layers = (spec.num_layers - n_moe) * dense + n_moe * moe + masks
     return {"layers": layers + shared, "one_layer": one_layer}
 
 
@@ -92,8 +96,9 @@ def logits_bytes(spec: ModelSpec, dt: Dtypes, t: int) -> dict:
     v = spec.vocab_size
     half_logits = 2 if (dt.autocast or dt.act_bytes == 2) else 4
     upcast = C.LOSS_FP32_BYTES if half_logits == 2 else 0
-    forward = (half_logits + upcast + C.LOSS_FP32_BYTES) * t * v
-    backward = 3 * C.LOSS_FP32_BYTES * t * v
+    capped = softcap_logits_bytes(spec, half_logits, t)  # Gemma-2: tanh output kept
+    forward = (half_logits + upcast + C.LOSS_FP32_BYTES) * t * v + capped
+    backward = 3 * C.LOSS_FP32_BYTES * t * v + capped
     return {"forward": forward, "backward": backward}
 
 
@@ -137,8 +142,10 @@ def eval_forward_bytes(spec: ModelSpec, dt: Dtypes, b: int, s: int, attn: str) -
     t = b * s
     width = max(spec.intermediate_size, spec.moe_intermediate_size * spec.experts_per_token)
     layer = dt.act_bytes * t * (3 * width + 2 * spec.q_dim + 2 * spec.kv_dim)
+    attn = effective_attn(spec, attn)
     if attn == "eager":
-        layer += (4 + dt.act_bytes) * b * spec.num_heads * s * s
+        scores = 2 if spec.attn_logit_softcap else 1  # the soft-capped copy of the scores
+        layer += (4 + scores * dt.act_bytes) * b * spec.num_heads * s * s
     return layer + dt.resid_bytes * t * spec.hidden_size
 
 
@@ -147,7 +154,7 @@ def kv_cache_bytes(spec: ModelSpec, batch: int, tokens: int, elem_bytes: int) ->
     (sliding-window layers keep at most the window)."""
     per_layer_tokens = []
     for i in range(spec.num_layers):
-        windowed = spec.sliding_window and (i % spec.sliding_window_every == 0)
+        windowed = is_sliding_layer(spec, i)
         per_layer_tokens.append(min(tokens, spec.sliding_window) if windowed else tokens)
     return 2 * batch * spec.kv_dim * elem_bytes * sum(per_layer_tokens)
 
@@ -234,7 +241,7 @@ def training_phases(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = N
 
 
 def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
-    out = list(getattr(spec, "assumptions", ())) + [
+    out = list(getattr(spec, "assumptions", ())) + gemma_assumptions(spec, cfg.attn) + [
         "steady state: optimizer states exist (step ≥ 2); gradients are freed by "
         "zero_grad(set_to_none=True) after each optimizer step",
         "AdamW is torch's fused implementation (transformers' default adamw_torch_fused): "

@@ -97,6 +97,10 @@ class ModelSpec:
     max_position_embeddings: int = 4096
     sliding_window: int | None = None
     sliding_window_every: int = 1  # 1: every layer; 2: every second layer (Gemma-2)
+    # Gemma-2 soft-capping: tanh(x / cap) · cap on the attention scores and on the logits
+    attn_logit_softcap: bool = False
+    final_logit_softcap: bool = False
+    sdpa_supported: bool = True  # transformers has an SDPA path for this class (Gemma-2: no)
     # Mixture of experts (0 experts: dense)
     num_experts: int = 0
     experts_per_token: int = 0

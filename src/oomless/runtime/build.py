@@ -128,6 +128,11 @@ def _model_class(config: Any) -> Any:
     )
 
 
+def _supports_sdpa(config: Any) -> bool:
+    auto = _model_class(config)
+    return bool(getattr(auto._model_mapping[type(config)], "_supports_sdpa", True))
+
+
 # ---- building ---------------------------------------------------------------------------
 def attn_implementation(cfg: RunConfig) -> tuple[str, str | None]:
     """transformers attn_implementation, and a note when it stands in for another."""
@@ -140,6 +145,10 @@ def attn_implementation(cfg: RunConfig) -> tuple[str, str | None]:
 
 
 TRACE_SDPA = "oomless_sdpa"
+# FlashAttention-2 stand-in for classes without an SDPA path (Gemma-2): the same kernel under a
+# name transformers does not check against ``_supports_sdpa`` (FA2 soft-caps inside the kernel
+# and keeps the same output + log-sum-exp, so the extra tanh of eager attention is not there)
+TRACE_FLASH_STANDIN = "oomless_fa2_standin"
 
 
 def _unpadded_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
@@ -166,7 +175,16 @@ def _register_trace_attention() -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     AttentionInterface.register(TRACE_SDPA, sdpa_attention_forward)
-    AttentionMaskInterface.register(TRACE_SDPA, _unpadded_sdpa_mask)
+    AttentionInterface.register(TRACE_FLASH_STANDIN, _flash_standin)
+    for name in (TRACE_SDPA, TRACE_FLASH_STANDIN):
+        AttentionMaskInterface.register(name, _unpadded_sdpa_mask)
+
+
+def _flash_standin(*args: Any, softcap: Any = None, **kwargs: Any) -> Any:
+    """SDPA in place of FlashAttention-2, which applies ``softcap`` inside the kernel."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(*args, **kwargs)
 
 
 def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake",
@@ -181,9 +199,15 @@ def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake"
     config = transformers_config(hf_config)
     attn, note = attn_implementation(cfg)
     notes = [note] if note else []
+    if cfg.attn == "sdpa" and not _supports_sdpa(config):
+        # what transformers itself does when no kernel is asked for (Gemma-2: SDPA cannot
+        # soft-cap the scores, so the class declares no SDPA path)
+        attn = "eager"
+        notes.append(f"{config.model_type} has no SDPA path in transformers: traced with eager "
+                     "attention, which is what it runs")
     if mode == "fake" and attn == "sdpa":
         _register_trace_attention()
-        attn = TRACE_SDPA
+        attn = TRACE_SDPA if _supports_sdpa(config) else TRACE_FLASH_STANDIN
     where = torch.device("meta") if mode == "fake" else torch.device(device)
     try:
         with where:
