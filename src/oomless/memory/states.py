@@ -10,6 +10,7 @@ from ..errors import ConfigError
 from ..knobs import OPTIMIZERS
 from ..models.spec import LinearSpec, ModelSpec
 from . import constants as C
+from .moe_lora import expert_adapter_params, is_fused_expert_target
 from .precision import Dtypes
 
 # Module names people write in LoRA target lists → our canonical names
@@ -38,6 +39,8 @@ def lora_targets(spec: ModelSpec, targets: list[str] | str) -> set[str]:
         if t == "gate_up_proj" and not spec.mlp_gated:
             t = "up_proj"
         hits = {n for n in names if n == t or t in _FUSED_PARTS.get(n, ())}
+        if not hits and is_fused_expert_target(spec, raw):
+            continue  # PEFT re-targets it on the fused expert parameters (memory/moe_lora.py)
         if not hits:
             raise ConfigError(
                 f"LoRA target '{raw}' matches no linear layer of {spec.name}; "
@@ -144,6 +147,7 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     n = cfg.world_size
     targets = lora_targets(spec, cfg.lora.targets) if cfg.method != "full" else set()
     adapter = lora_params(spec, cfg.lora.r, targets) if targets else 0
+    adapter += expert_adapter_params(spec, cfg)  # PEFT's ParamWrapper on fused experts
     trainable = spec.param_count if cfg.method == "full" else adapter
     st.trainable_params = trainable
 

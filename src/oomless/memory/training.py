@@ -16,6 +16,7 @@ from . import constants as C
 from .activations import LayerPlan, layer_activation_bytes
 from .gemma import (effective_attn, gemma_assumptions, is_sliding_layer, sliding_mask_bytes,
                     softcap_logits_bytes)
+from .moe_lora import merged_expert_saved_bytes, moe_lora_assumptions
 from .overheads import finish_estimate
 from .precision import Dtypes, dtypes_for
 from .states import States, lora_targets, model_states
@@ -49,7 +50,10 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
     recomputation under gradient checkpointing)."""
     plan = layer_plan(spec, cfg)
     dense = _layer_bytes(spec, b, s, dt, plan, False)
-    moe = _layer_bytes(spec, b, s, dt, plan, True) if spec.is_moe else 0
+    moe = 0
+    if spec.is_moe:  # + PEFT's merged expert copies when LoRA wraps the fused experts
+        moe = _layer_bytes(spec, b, s, dt, plan, True) + merged_expert_saved_bytes(
+            spec, cfg, dt, b * s)
     n_moe = spec.num_moe_layers
     one_layer = max(dense, moe)
     t = b * s
@@ -266,13 +270,7 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
             "activations as a dense MLP over tokens × experts_per_token rows, "
             "routing assumed balanced"
         )
-    if spec.is_moe and cfg.method != "full" and cfg.lora.targets == "all-linear":
-        out.append(
-            "NOT MODELLED: with transformers ≥ 5 and PEFT 0.21, LoRA 'all-linear' also wraps "
-            "fused expert weights (Mixtral, Qwen3-MoE) and keeps a merged copy of every "
-            "expert weight per layer for backward; `oomless trace` measures it (Mixtral-8x7B "
-            "at 512 tokens: about 2× this estimate). List attention modules as targets to avoid it"
-        )
+    out += moe_lora_assumptions(spec, cfg)
     if cfg.eval.predict_with_generate:
         out.append("generation: HF generate with a dynamic KV cache in the activation dtype")
     return out
