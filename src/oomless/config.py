@@ -72,6 +72,31 @@ class VisionConfig(_Section):
                                "freeze_vision_tower, GLM-4 freezeV, LLaVA's default)")
 
 
+class RlhfConfig(_Section):
+    """Training stages other than pt/sft: the reference, reward and value models, PPO's
+    generation (docs/config.md, "rlhf"). Keys follow TRL's and LLaMA-Factory's meaning."""
+
+    reference: Literal["auto", "adapter-off", "separate", "precomputed"] = Field(
+        "auto", description="dpo/kto/ppo reference: auto (LoRA: the policy with its adapters "
+        "switched off; full: a separate frozen copy), adapter-off, separate, precomputed "
+        "(TRL precompute_ref_log_probs: no reference forward in the step)")
+    reward_model: Literal["separate", "adapter"] = Field(
+        "separate", description="ppo: a separate reward model of the same size (TRL), or a "
+        "reward adapter on the policy's base (LLaMA-Factory reward_model_type: lora)")
+    value_model: Literal["separate", "head"] = Field(
+        "separate", description="ppo: a separate value model trained with the policy (TRL), or "
+        "a value head on the policy (LLaMA-Factory AutoModelForCausalLMWithValueHead)")
+    response_length: int | None = Field(
+        None, ge=1, description="ppo: generated tokens per query (TRL response_length; default "
+        "data.max_output_length, else 53 as TRL)")
+    rollout_batch_size: int | None = Field(
+        None, ge=1, description="ppo: queries generated and scored together (TRL "
+        "local_rollout_forward_batch_size; default 64 as TRL, at most the queries of one "
+        "step, micro_batch_size × grad_accum)")
+    kto_kl: bool = Field(True, description="kto: estimate the KL term from mismatched "
+                         "completions (one more no-grad forward per model)")
+
+
 class DataConfig(_Section):
     train_file: str | None = None
     eval_file: str | None = None
@@ -147,6 +172,7 @@ class RunConfig(_Section):
     offload: Offload = "none"
     hardware: HardwareConfig = HardwareConfig()
     vision: VisionConfig = VisionConfig()
+    rlhf: RlhfConfig = RlhfConfig()
     eval: EvalConfig = EvalConfig()
     data: DataConfig = DataConfig()
     training: TrainingConfig = TrainingConfig()

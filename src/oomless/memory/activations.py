@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..allocator import fresh_block_bytes
 from ..models.spec import ModelSpec
 from . import constants as C
 from .gemma import rms_normed_bytes, softcap_scores_bytes
@@ -41,13 +42,14 @@ ACT_EXTRA_SAVED = {"gelu_new": 3, "gelu_fast": 3, "gelu_accurate": 3}
 
 
 class _Saved:
-    """Saved tensors by identity: the same tensor saved twice counts once."""
+    """Saved tensors by identity: the same tensor saved twice counts once. Each counts
+    the block the caching allocator gives it (a large tensor's segment rounding)."""
 
     def __init__(self) -> None:
         self.by_name: dict[str, float] = {}
 
     def add(self, name: str, n_bytes: float) -> None:
-        self.by_name[name] = n_bytes
+        self.by_name[name] = fresh_block_bytes(n_bytes)
 
     @property
     def total(self) -> float:

@@ -12,6 +12,7 @@ from ..models.spec import LinearSpec, ModelSpec
 from . import constants as C
 from .moe_lora import expert_adapter_params, is_fused_expert_target
 from .precision import Dtypes
+from .stages import score_head_param_delta
 
 # Module names people write in LoRA target lists → our canonical names
 # (ChatGLM, Phi-2, GPT-2, Mixtral-legacy, InternLM spellings).
@@ -148,10 +149,12 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     targets = lora_targets(spec, cfg.lora.targets) if cfg.method != "full" else set()
     adapter = lora_params(spec, cfg.lora.r, targets) if targets else 0
     adapter += expert_adapter_params(spec, cfg)  # PEFT's ParamWrapper on fused experts
-    trainable = spec.param_count if cfg.method == "full" else adapter
+    head_weights, head_trained = score_head_param_delta(spec, cfg)  # rm: score head, no lm_head
+    adapter += head_trained if cfg.method != "full" else 0
+    trainable = spec.param_count + head_trained if cfg.method == "full" else adapter
     st.trainable_params = trainable
 
-    weights = weight_bytes(spec, cfg, dt)
+    weights = weight_bytes(spec, cfg, dt) + head_weights * dt.base_weight_bytes
     shard3 = n if cfg.zero == 3 else 1  # ZeRO-3 partitions the parameters
     shard_opt = n if cfg.zero >= 1 else 1  # ZeRO-1+ partitions optimizer states
     params_on_host = cfg.offload == "all"

@@ -18,6 +18,8 @@ from .gemma import (effective_attn, gemma_assumptions, is_sliding_layer, sliding
                     softcap_logits_bytes)
 from .moe_lora import merged_expert_saved_bytes, moe_lora_assumptions
 from .overheads import finish_estimate
+from .stages import (head_bytes, reference_head_bytes, reference_rows, separate_reference_params,
+                     stage_assumptions, stage_plan)
 from .precision import Dtypes, dtypes_for
 from .states import States, lora_targets, model_states
 
@@ -61,7 +63,10 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
     # stream's dtype; the final norm's fp32 input; lm_head's input (and its
     # autocast weight copy) when lm_head is trained.
     shared = 2 * dt.resid_bytes * t * spec.head_dim + 4 * t * spec.hidden_size
-    if cfg.method == "full":
+    # lm_head runs as a module (its input and autocast weight copy kept) unless a reward
+    # model's score head replaces it or TRL's fused head projects through its weight in tiles
+    lm_head = stage_plan(cfg).head in ("lm_loss", "full_logprobs")
+    if cfg.method == "full" and lm_head:
         shared += dt.act_bytes * t * spec.hidden_size
         if dt.autocast and dt.trainable_bytes != dt.act_bytes:
             shared += dt.act_bytes * spec.vocab_size * spec.hidden_size
@@ -104,6 +109,18 @@ def logits_bytes(spec: ModelSpec, dt: Dtypes, t: int) -> dict:
     forward = (half_logits + upcast + C.LOSS_FP32_BYTES) * t * v + capped
     backward = 3 * C.LOSS_FP32_BYTES * t * v + capped
     return {"forward": forward, "backward": backward}
+
+
+def forward_transient_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> float:
+    """What the last layer's MLP holds for a moment in the forward, beyond what it saves:
+    the activation product on its way into down_proj and, when LoRA wraps down_proj under
+    autocast, PEFT's fp32 copy of it for the fp32 adapter (peft/tuners/lora/layer.py
+    ``_cast_input_dtype``). It is the forward's peak when no logits follow (reward model)."""
+    width = max(spec.intermediate_size, spec.moe_intermediate_size * spec.experts_per_token)
+    lora_down = "down_proj" in layer_plan(spec, cfg).lora
+    fp32_copy = 4 if (lora_down and dt.autocast and dt.trainable_bytes == 4) else 0
+    product = dt.act_bytes if lora_down else 0  # otherwise down_proj keeps it (saved)
+    return (fp32_copy + product) * t * width + 2 * dt.resid_bytes * t * spec.hidden_size
 
 
 def backward_transient_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> float:
@@ -165,10 +182,13 @@ def kv_cache_bytes(spec: ModelSpec, batch: int, tokens: int, elem_bytes: int) ->
 
 def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads: dict,
             step_only: dict) -> dict[str, dict[str, int]]:
-    b, s = cfg.micro_batch_size, llm_seq_len(spec, cfg)
+    plan = stage_plan(cfg)  # rm/dpo/kto/orpo/simpo: rows per sample, head, reference
+    b, s = cfg.micro_batch_size * plan.rows, llm_seq_len(spec, cfg)
     t = b * s
     acts = saved_activation_bytes(spec, cfg, dt, b, s)
-    logits = logits_bytes(spec, dt, t)
+    head = head_bytes(spec, cfg, dt, plan, cfg.micro_batch_size, s)
+    logits = logits_bytes(spec, dt, t) if head is None else {
+        "forward": head["forward_peak"], "backward": head["backward"]}
     transient = backward_transient_bytes(spec, cfg, dt, t)
     recompute = acts["one_layer"] if cfg.grad_ckpt else 0
     fwd_grads = grads if cfg.grad_accum > 1 else {}
@@ -176,6 +196,15 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
     phases: dict[str, dict[str, int]] = {}
     phases["forward"] = {**persistent, **fwd_grads, "activations": acts["layers"],
                          "logits": logits["forward"]}
+    in_layer = {**persistent, **fwd_grads, "activations": acts["layers"],
+                "temporaries": forward_transient_bytes(spec, cfg, dt, t)}
+    phases["forward"] = max(phases["forward"], in_layer, key=lambda d: sum(d.values()))
+    ref_rows = reference_rows(cfg, plan)
+    if ref_rows:  # the reference's no-grad forward, after the policy's, on the same rows
+        ref = {**persistent, **fwd_grads, "activations": acts["layers"], "logits": head["saved"],
+               "reference_forward": eval_forward_bytes(spec, dt, ref_rows, s, cfg.attn)
+               + reference_head_bytes(spec, cfg, dt, plan, ref_rows, s)}
+        phases["forward"] = max(phases["forward"], ref, key=lambda d: sum(d.values()))
     start = {**persistent, **fwd_grads, "activations": acts["layers"],
              "logits": logits["backward"]}
     in_layers = {**persistent, **fwd_grads, "activations": acts["layers"] + recompute,
@@ -188,7 +217,7 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
     phases["backward"] = max((start, in_layers, end, embed), key=lambda d: sum(d.values()))
     phases["optimizer"] = {**persistent, **grads, **step_only}
     if cfg.eval.batch_size or cfg.eval.steps or cfg.eval.predict_with_generate:
-        eb = cfg.eval_batch_size
+        eb = cfg.eval_batch_size * plan.rows
         ev = eval_forward_bytes(spec, dt, eb, s, cfg.attn)
         phases["evaluation"] = {**persistent, "activations": ev,
                                 "logits": logits_bytes(spec, dt, eb * s)["forward"]}
@@ -241,6 +270,9 @@ def training_phases(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = N
     step_only = {k: gpu_state.pop(k) for k in ("grad_partition_fp32",) if k in gpu_state}
     cap = cluster.gpu.compute_capability if cluster else "9.0"
     gpu_state["cublas_workspace"] = C.cublas_workspace_bytes(cap)
+    ref_params = separate_reference_params(spec, cfg)  # dpo/kto full FT: a frozen copy
+    if ref_params:
+        gpu_state["reference_model"] = round(ref_params * dt.base_weight_bytes)
     return _phases(spec, cfg, dt, gpu_state, grads, step_only), gpu_state, st
 
 
@@ -270,7 +302,7 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
             "activations as a dense MLP over tokens × experts_per_token rows, "
             "routing assumed balanced"
         )
-    out += moe_lora_assumptions(spec, cfg)
+    out += moe_lora_assumptions(spec, cfg) + stage_assumptions(spec, cfg)
     if cfg.eval.predict_with_generate:
         out.append("generation: HF generate with a dynamic KV cache in the activation dtype")
     return out

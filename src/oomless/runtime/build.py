@@ -159,12 +159,16 @@ def _unpadded_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
     that SDPA runs its causal flash kernel. Fake tensors have no values, so
     transformers treats them as a graph being traced and builds the full
     [b, 1, s, s] mask. This mask function answers as the real batch would: no
-    mask unless a sliding window or a custom pattern needs one.
+    mask unless a sliding window or a custom pattern needs one. An attention mask
+    of all ones (a trainer's batch, traced with full-batch values) is no padding.
     """
     from transformers.masking_utils import sdpa_mask
 
+    from .trace.data_emulation import full_batch_active
+
     local = kwargs.get("local_size")
-    if (kwargs.get("attention_mask") is None and not kwargs.get("use_vmap")
+    no_padding = kwargs.get("attention_mask") is None or full_batch_active()
+    if (no_padding and not kwargs.get("use_vmap")
             and (local is None or kwargs["kv_length"] < local)):
         return None
     return sdpa_mask(*args, **kwargs)
@@ -188,8 +192,12 @@ def _flash_standin(*args: Any, softcap: Any = None, **kwargs: Any) -> Any:
 
 
 def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake",
-                device: str = "cpu", num_layers: int | None = None) -> BuiltModel:
-    """The model of ``cfg`` from ``hf_config``; ``mode`` "fake" or "real" (see module doc)."""
+                device: str = "cpu", num_layers: int | None = None,
+                sequence_classification: bool = False, frozen: bool = False) -> BuiltModel:
+    """The model of ``cfg`` from ``hf_config``; ``mode`` "fake" or "real" (see module doc).
+    ``sequence_classification``: the model with a one-value score head instead of lm_head
+    (a reward or value model); ``frozen``: no adapters, nothing trainable (a reference or
+    reward model)."""
     if cfg.zero or cfg.offload != "none":
         raise TraceUnsupported("DeepSpeed ZeRO sharding and offload are not traced (one process)")
     if cfg.method == "qlora" and cfg.quantization.bits != 4:
@@ -211,8 +219,19 @@ def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake"
     where = torch.device("meta") if mode == "fake" else torch.device(device)
     try:
         with where:
-            model = _model_class(config).from_config(config, dtype=base_dtype(cfg),
-                                                     attn_implementation=attn)
+            if sequence_classification:
+                from transformers import AutoModelForSequenceClassification
+
+                config.num_labels = 1
+                if getattr(config.get_text_config(), "pad_token_id", None) is None:
+                    # the score is read at each row's last non-pad token; TRL sets the
+                    # tokenizer's pad token (any id will do for a full-length batch)
+                    config.get_text_config().pad_token_id = 0
+                model = AutoModelForSequenceClassification.from_config(
+                    config, dtype=base_dtype(cfg), attn_implementation=attn)
+            else:
+                model = _model_class(config).from_config(config, dtype=base_dtype(cfg),
+                                                         attn_implementation=attn)
     except ValueError as err:  # e.g. an attention implementation the class does not support
         raise TraceUnsupported(f"transformers cannot build this model: {err}") from None
     model.config.use_cache = False
@@ -221,13 +240,16 @@ def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake"
         _replace_with_4bit(model, cfg)
         if mode != "fake":
             _quantize_4bit(model, cfg, None, device)
-    if cfg.grad_ckpt:
+    if cfg.grad_ckpt and not frozen:
         model.activation_checkpointing_enable()
-    if cfg.method in ("lora", "qlora"):
+    if frozen:
+        model.requires_grad_(False)
+        model.eval()
+    elif cfg.method in ("lora", "qlora"):
         # fake mode: adapters are created on the meta device like the base weights
         # (PEFT would otherwise initialise them for real on the CPU, which is slow)
         with torch.device("meta") if mode == "fake" else contextlib.nullcontext():
-            model = _apply_lora(model, cfg)
+            model = _apply_lora(model, cfg, "SEQ_CLS" if sequence_classification else "CAUSAL_LM")
     if mode == "fake":
         if cfg.method == "qlora":
             _quantize_4bit(model, cfg, _fake_mode(), "cpu")
@@ -236,7 +258,7 @@ def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake"
                       num_layers_of(hf_config), notes)
 
 
-def _apply_lora(model: Any, cfg: RunConfig) -> Any:
+def _apply_lora(model: Any, cfg: RunConfig, task_type: str = "CAUSAL_LM") -> Any:
     from peft import LoraConfig, get_peft_model
 
     targets = cfg.lora.targets
@@ -245,7 +267,7 @@ def _apply_lora(model: Any, cfg: RunConfig) -> Any:
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
         target_modules=targets if targets == "all-linear" else list(targets),
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
     try:
         return get_peft_model(model, lora)

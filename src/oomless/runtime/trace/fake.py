@@ -20,6 +20,7 @@ against full traces.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -116,7 +117,10 @@ def trace_training(cfg: RunConfig, cluster: Cluster | None = None, *, resolved: 
     try:
         from ...memory.training import llm_seq_len
 
-        plan = plan_layers(resolved.hf_config, full)
+        # the other models' layers (reference, reward, value) are not the policy's: layer
+        # expansion cannot repeat them, and where the step peaks moves with the depth, so
+        # those steps are traced at full depth
+        plan = plan_layers(resolved.hf_config, full or _other_models(cfg))
         seq = llm_seq_len(spec, cfg)  # image tokens join the text (vision tower not run)
         runs = [trace_once(resolved.hf_config, cfg, cluster, plan, alloc_config,
                            timeline_points, seq_len=seq)]
@@ -131,6 +135,13 @@ def trace_training(cfg: RunConfig, cluster: Cluster | None = None, *, resolved: 
         runs[-1].notes.append(f"layer expansion not possible ({err}): allocated bytes "
                               "extrapolated linearly (exact), reserved bytes approximately")
     return _estimate(spec, cfg, cluster, runs, plan, time.perf_counter() - started)
+
+
+def _other_models(cfg: RunConfig) -> bool:
+    """Whether the step runs models besides the policy (a separate reference, PPO)."""
+    from ...memory.stages import stage_plan
+
+    return cfg.stage == "ppo" or stage_plan(cfg).reference == "separate"
 
 
 def analytic_fallback(spec: Any, cfg: RunConfig, cluster: Cluster | None, reason: str,
@@ -159,17 +170,29 @@ def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | Non
     from .cuda_emulation import CudaEmulation
     from .hf_step import make_batch
 
+    from .stage_trainers import TRAINER_STAGES, traced_stage, triton_fold_emulation
+
     plan = LayerPlan(plan) if isinstance(plan, int) else plan
-    built = build_model(hf_config, cfg, mode="fake", num_layers=plan.traced)
+    built = build_model(hf_config, cfg, mode="fake", num_layers=plan.traced,
+                        sequence_classification=cfg.stage == "rm")
     model = built.model
     fake = fake_mode()
     seq = seq_len or cfg.seq_len
+    stage = traced_stage(cfg, hf_config, model, plan.traced, seq, fake) \
+        if cfg.stage in TRAINER_STAGES else None
     with fake:
-        batch = make_batch(model, cfg.micro_batch_size, seq, "cpu")
-        eval_batch = make_batch(model, cfg.eval_batch_size, seq, "cpu") if _wants_eval(cfg) else None
-    tracker = run_tracked(model, cfg, batch, eval_batch, device_type="cpu", fake=fake,
-                          num_layers=plan.traced,
-                          emulation=CudaEmulation(cublas_bytes=_cublas_bytes(cluster)))
+        batch = stage.batch if stage else make_batch(model, cfg.micro_batch_size, seq, "cpu")
+        eval_batch = make_batch(model, cfg.eval_batch_size, seq, "cpu") \
+            if _wants_eval(cfg) and not stage else None
+    with triton_fold_emulation() if stage else contextlib.nullcontext():
+        tracker = run_tracked(model, cfg, batch, eval_batch, device_type="cpu", fake=fake,
+                              num_layers=plan.traced,
+                              emulation=CudaEmulation(cublas_bytes=_cublas_bytes(cluster)),
+                              loss_fn=stage.loss_fn if stage else None,
+                              frozen_models=stage.frozen_models if stage else (),
+                              full_batch_values=stage is not None)
+    if stage:
+        built.notes.extend(stage.notes)
     params, trainable = built.param_count, built.trainable_params
     if plan.full:
         stream = stream_of(tracker)

@@ -73,18 +73,25 @@ def training_forward(model: torch.nn.Module, cfg: RunConfig) -> Callable[..., An
     return convert_outputs_to_fp32(model.forward)
 
 
+LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+
+
 def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Tensor], *,
               device_type: str, iterations: int = 2,
               on_phase: Callable[[str, int], None] = _noop,
               on_grads: Callable[[list[torch.nn.Parameter]], None] | None = None,
               on_states: Callable[[Any], None] | None = None,
-              eval_batch: dict[str, torch.Tensor] | None = None) -> list[float]:
+              eval_batch: dict[str, torch.Tensor] | None = None,
+              loss_fn: LossFn | None = None) -> list[float]:
     """``iterations`` optimizer steps; returns the losses. ``on_grads`` gets the trained
-    parameters after backward, ``on_states`` the optimizer after its step."""
+    parameters after backward, ``on_states`` the optimizer after its step. ``loss_fn``:
+    a trainer's loss on (model, batch) in place of the causal-LM loss (training stages)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, device_type)
     scaler = torch.amp.GradScaler(device_type) if cfg.precision == "fp16" else None
     forward = training_forward(model, cfg)
+    if loss_fn is not None:
+        forward = _trainer_loss(model, cfg, loss_fn)
     losses: list[float] = []
     # with gradient accumulation, a second micro batch runs while the first one's
     # gradients are held: two micro batches show every state a longer run reaches
@@ -103,6 +110,23 @@ def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Ten
         on_phase("evaluation", iterations)
         evaluate(model, cfg, eval_batch, device_type)
     return losses
+
+
+def _trainer_loss(model: torch.nn.Module, cfg: RunConfig, loss_fn: LossFn) -> Callable[..., Any]:
+    """A forward that returns the trainer's loss as ``outputs.loss``; the model's own
+    forward is wrapped as accelerate's prepare_model does for mixed precision."""
+    from types import SimpleNamespace
+
+    if autocast_dtype(cfg) is not None and not getattr(model, "_oomless_fp32_outputs", False):
+        from accelerate.utils import convert_outputs_to_fp32
+
+        model.forward = convert_outputs_to_fp32(model.forward)
+        model._oomless_fp32_outputs = True
+
+    def forward(**batch: Any) -> Any:
+        return SimpleNamespace(loss=loss_fn(model, batch))
+
+    return forward
 
 
 def _micro_step(forward: Callable[..., Any], batch: dict[str, torch.Tensor], cfg: RunConfig,
