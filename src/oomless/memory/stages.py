@@ -21,8 +21,8 @@ pt and sft run one sequence per sample and the causal-LM loss
   of the KL completions (policy, then reference) and of the reference.
 - orpo, simpo (TRL's experimental ORPOTrainer, CPOTrainer ``loss_type="simpo"``):
   chosen and rejected together, no reference, the full logits (converted to
-  fp32 by accelerate) and their log-softmax; ORPO adds the cross-entropy of the
-  chosen half.
+  fp32 by accelerate) through TRL's fused log-prob kernel; ORPO adds the
+  cross-entropy of the chosen half.
 - LLaMA-Factory's preference trainers compute every log-prob from the full fp32
   logits (``get_batch_logps``), as transformers' loss does for SFT.
 
@@ -54,7 +54,7 @@ class StagePlan:
 
     stage: str
     rows: int  # sequences per sample in the policy's forward (pairs: chosen + rejected)
-    head: str  # lm_loss | chunked_logprobs | full_logprobs | score
+    head: str  # lm_loss | chunked_logprobs | kernel_logprobs | full_logprobs | score
     reference: str  # none | adapter-off | separate | precomputed
     nll_rows: int = 0  # ORPO: rows (per sample) of the extra chosen cross-entropy
 
@@ -78,11 +78,13 @@ def stage_plan(cfg: RunConfig) -> StagePlan:
         head = "lm_loss"
     elif stage == "rm":
         head = "score"
-    elif stage in ("dpo", "kto") and cfg.stack in FUSED_HEAD_STACKS:
+    elif cfg.stack not in FUSED_HEAD_STACKS:
+        head = "full_logprobs"
+    elif stage in ("dpo", "kto"):
         head = "chunked_logprobs"
     else:
-        head = "full_logprobs"
-    nll = 1 if (stage == "orpo" and cfg.stack in FUSED_HEAD_STACKS) else 0
+        head = "kernel_logprobs"
+    nll = 1 if stage == "orpo" else 0
     return StagePlan(stage, rows, head, reference_kind(cfg), nll)
 
 
@@ -123,9 +125,9 @@ def chunked_head_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, rows: int,
 
 def full_logprob_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, rows: int, s: int,
                        nll_rows: int, b: int) -> dict[str, float]:
-    """Log-probs from the full logits: 16-bit logits, their fp32 copy and the fp32
-    log-softmax kept for backward (12 bytes per logit at the backward's start), plus
-    ORPO's cross-entropy on the chosen rows (a contiguous fp32 copy and its
+    """LLaMA-Factory's log-probs (``get_batch_logps``): 16-bit logits, their fp32 copy and
+    the fp32 log-softmax kept for backward (12 bytes per logit at the backward's start),
+    plus ORPO's cross-entropy on the chosen rows (a contiguous fp32 copy and its
     log-softmax)."""
     v = spec.vocab_size
     t = rows * s
@@ -135,6 +137,22 @@ def full_logprob_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, rows: int, s
     forward = (half + upcast + C.LOSS_FP32_BYTES) * t * v + nll
     return {"saved": forward, "forward_peak": forward,
             "backward": 3 * C.LOSS_FP32_BYTES * t * v + nll}
+
+
+def kernel_logprob_bytes(spec: ModelSpec, dt: Dtypes, rows: int, s: int, nll_rows: int,
+                         b: int) -> dict[str, float]:
+    """TRL's experimental ORPO/CPO trainers: the full logits, converted to fp32 by
+    accelerate (both copies exist for a moment), and ``selective_log_softmax`` through
+    TRL's fused Triton kernel, which keeps the fp32 logits and writes a contiguous fp32
+    gradient of them in backward (its slice's gradient is then padded back to the full
+    logits: a second one). ORPO's cross-entropy on the chosen half adds a contiguous
+    fp32 copy and its log-softmax, and their gradients in backward."""
+    v, t = spec.vocab_size, rows * s
+    half = 2 if (dt.autocast or dt.act_bytes == 2) else 0
+    fp32 = C.LOSS_FP32_BYTES * t * v
+    nll = C.LOSS_FP32_BYTES * nll_rows * b * s * v
+    forward_peak = max(half * t * v + fp32, fp32 + 2 * nll)
+    return {"saved": fp32 + nll, "forward_peak": forward_peak, "backward": 2 * fp32 + 2 * nll}
 
 
 def score_head_bytes(spec: ModelSpec, dt: Dtypes, rows: int, s: int) -> dict[str, float]:
@@ -153,6 +171,8 @@ def head_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, plan: StagePlan, b: 
         return chunked_head_bytes(spec, cfg, dt, rows, s)
     if plan.head == "full_logprobs":
         return full_logprob_bytes(spec, cfg, dt, rows, s, plan.nll_rows, b)
+    if plan.head == "kernel_logprobs":
+        return kernel_logprob_bytes(spec, dt, rows, s, plan.nll_rows, b)
     if plan.head == "score":
         return score_head_bytes(spec, dt, rows, s)
     return None
@@ -163,6 +183,8 @@ def reference_head_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, plan: Stag
     """The head of a no-grad reference forward: nothing is kept, its peak is transient."""
     if plan.head == "chunked_logprobs":
         return chunked_head_bytes(spec, cfg, dt, rows, s)["forward_peak"]
+    if plan.head == "kernel_logprobs":
+        return kernel_logprob_bytes(spec, dt, rows, s, 0, 0)["forward_peak"]
     return full_logprob_bytes(spec, cfg, dt, rows, s, 0, 0)["forward_peak"]
 
 
@@ -201,6 +223,8 @@ def stage_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
                    "vocabulary-sized logits; its Triton kernels fold tiles in place)")
     elif plan.head == "full_logprobs":
         out.append("log-probs from the full logits in fp32 and their log-softmax")
+    elif plan.head == "kernel_logprobs":
+        out.append("log-probs from the full fp32 logits through TRL's fused Triton kernel")
     elif plan.head == "score":
         out.append("reward model: AutoModelForSequenceClassification, no lm_head, a trained "
                    "hidden → 1 score head")

@@ -18,6 +18,7 @@ from .gemma import (effective_attn, gemma_assumptions, is_sliding_layer, sliding
                     softcap_logits_bytes)
 from .moe_lora import merged_expert_saved_bytes, moe_lora_assumptions
 from .overheads import finish_estimate
+from .ppo import PpoKit, ppo_phases
 from .stages import (head_bytes, reference_head_bytes, reference_rows, separate_reference_params,
                      stage_assumptions, stage_plan)
 from .precision import Dtypes, dtypes_for
@@ -65,7 +66,7 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
     shared = 2 * dt.resid_bytes * t * spec.head_dim + 4 * t * spec.hidden_size
     # lm_head runs as a module (its input and autocast weight copy kept) unless a reward
     # model's score head replaces it or TRL's fused head projects through its weight in tiles
-    lm_head = stage_plan(cfg).head in ("lm_loss", "full_logprobs")
+    lm_head = stage_plan(cfg).head in ("lm_loss", "full_logprobs", "kernel_logprobs")
     if cfg.method == "full" and lm_head:
         shared += dt.act_bytes * t * spec.hidden_size
         if dt.autocast and dt.trainable_bytes != dt.act_bytes:
@@ -273,6 +274,10 @@ def training_phases(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = N
     ref_params = separate_reference_params(spec, cfg)  # dpo/kto full FT: a frozen copy
     if ref_params:
         gpu_state["reference_model"] = round(ref_params * dt.base_weight_bytes)
+    if cfg.stage == "ppo":  # four models, rollout and update (memory/ppo.py)
+        kit = PpoKit(saved_activation_bytes, eval_forward_bytes)
+        return ppo_phases(spec, cfg, dt, gpu_state, grads, step_only, kit,
+                          llm_seq_len(spec, cfg)), gpu_state, st
     return _phases(spec, cfg, dt, gpu_state, grads, step_only), gpu_state, st
 
 

@@ -170,7 +170,7 @@ def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | Non
     from .cuda_emulation import CudaEmulation
     from .hf_step import make_batch
 
-    from .stage_trainers import TRAINER_STAGES, traced_stage, triton_fold_emulation
+    from .stage_trainers import TRAINER_STAGES, traced_stage, triton_kernel_emulation
 
     plan = LayerPlan(plan) if isinstance(plan, int) else plan
     built = build_model(hf_config, cfg, mode="fake", num_layers=plan.traced,
@@ -184,13 +184,14 @@ def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | Non
         batch = stage.batch if stage else make_batch(model, cfg.micro_batch_size, seq, "cpu")
         eval_batch = make_batch(model, cfg.eval_batch_size, seq, "cpu") \
             if _wants_eval(cfg) and not stage else None
-    with triton_fold_emulation() if stage else contextlib.nullcontext():
-        tracker = run_tracked(model, cfg, batch, eval_batch, device_type="cpu", fake=fake,
-                              num_layers=plan.traced,
+    with triton_kernel_emulation() if stage else contextlib.nullcontext():
+        tracker = run_tracked(stage.model if stage else model, cfg, batch, eval_batch,
+                              device_type="cpu", fake=fake, num_layers=plan.traced,
                               emulation=CudaEmulation(cublas_bytes=_cublas_bytes(cluster)),
                               loss_fn=stage.loss_fn if stage else None,
                               frozen_models=stage.frozen_models if stage else (),
-                              full_batch_values=stage is not None)
+                              full_batch_values=stage is not None,
+                              step_hooks=stage.step_hooks if stage else (None, None))
     if stage:
         built.notes.extend(stage.notes)
     params, trainable = built.param_count, built.trainable_params

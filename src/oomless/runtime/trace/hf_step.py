@@ -82,10 +82,14 @@ def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Ten
               on_grads: Callable[[list[torch.nn.Parameter]], None] | None = None,
               on_states: Callable[[Any], None] | None = None,
               eval_batch: dict[str, torch.Tensor] | None = None,
-              loss_fn: LossFn | None = None) -> list[float]:
+              loss_fn: LossFn | None = None,
+              before_step: Callable[[int], None] | None = None,
+              after_step: Callable[[int], None] | None = None) -> list[float]:
     """``iterations`` optimizer steps; returns the losses. ``on_grads`` gets the trained
     parameters after backward, ``on_states`` the optimizer after its step. ``loss_fn``:
-    a trainer's loss on (model, batch) in place of the causal-LM loss (training stages)."""
+    a trainer's loss on (model, batch) in place of the causal-LM loss (training stages);
+    ``before_step``/``after_step``: what a trainer does around each optimizer step (PPO's
+    rollout before, its statistics after)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, device_type)
     scaler = torch.amp.GradScaler(device_type) if cfg.precision == "fp16" else None
@@ -97,6 +101,8 @@ def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Ten
     # gradients are held: two micro batches show every state a longer run reaches
     micro_batches = min(cfg.grad_accum, 2)
     for it in range(iterations):
+        if before_step:
+            before_step(it)
         for _ in range(micro_batches):
             losses.append(_micro_step(forward, batch, cfg, device_type, scaler, on_phase, it))
         if on_grads:
@@ -106,6 +112,8 @@ def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Ten
         if on_states:
             on_states(optimizer)
         optimizer.zero_grad(set_to_none=True)
+        if after_step:
+            after_step(it)
     if eval_batch is not None:
         on_phase("evaluation", iterations)
         evaluate(model, cfg, eval_batch, device_type)

@@ -32,19 +32,21 @@ import torch
 
 from ...config import RunConfig
 
-# stages whose loss comes from a TRL trainer here (ppo: runtime/trace/ppo_step.py)
-TRAINER_STAGES = ("rm", "dpo", "kto", "orpo", "simpo")
+# stages traced through a trainer's loss (ppo: runtime/trace/ppo_step.py)
+TRAINER_STAGES = ("rm", "dpo", "kto", "orpo", "simpo", "ppo")
 _ROWS = 4  # preference records the tiny trainer is built with
 
 
 @dataclass
 class StageSetup:
-    """What a traced step of a training stage needs besides the policy model."""
+    """What a traced step of a training stage runs."""
 
+    model: Any  # what the optimizer trains: the policy (PPO: policy and value model)
     loss_fn: Any  # (model, batch) -> loss
     batch: dict[str, torch.Tensor]  # fake, full length
-    frozen_models: tuple = ()  # a separate reference model (full fine-tuning)
+    frozen_models: tuple = ()  # a separate reference model (full FT), a reward model
     notes: tuple[str, ...] = ()
+    step_hooks: tuple = (None, None)  # (before, after) each optimizer step
 
 
 def _records(stage: str) -> list[dict[str, Any]]:
@@ -178,25 +180,70 @@ def _quiet() -> Any:
 
 
 @contextlib.contextmanager
-def triton_fold_emulation() -> Any:
-    """TRL's fused log-prob head folds each (tokens × 32768) logits tile into running
+def triton_kernel_emulation() -> Any:
+    """TRL's Triton kernels, as CUDA runs them. The fused log-prob head folds each (tokens × 32768) logits tile into running
     statistics with a Triton kernel that writes only the tile and the per-token vectors
     (trl/kernels/chunked_logprob.py ``_forward_kernel``/``_backward_kernel``), and on
     CUDA accumulates the gradient GEMMs with ``torch.addmm(..., out_dtype=float32,
     out=acc)`` (``_addmm_fp32``); the CPU fallbacks make fp32 copies of the tile and of
     the weight slice. Inside the trace they are replaced by in-place stand-ins, as the
-    CUDA kernels allocate nothing."""
+    CUDA kernels allocate nothing. ``selective_log_softmax`` (ORPO, SimPO, PPO) takes its
+    fused Triton path on CUDA; here it takes the same path with a stand-in that allocates
+    what that kernel allocates."""
     import trl.kernels.chunked_logprob as ck
 
     def in_place(tile: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         return None
 
+    import trl.trainer.utils as tu
+
     saved = ck._forward_tile, ck._backward_tile, ck._addmm_fp32
     ck._forward_tile = ck._backward_tile = ck._addmm_fp32 = in_place
+    kernel = (tu.is_triton_available, tu._supports_trl_loss_kernel,
+              getattr(tu, "_fused_logprob_entropy", None))
+    tu.is_triton_available = lambda: True
+    tu._supports_trl_loss_kernel = _kernel_supports
+    tu._fused_logprob_entropy = _fused_logprob_entropy
     try:
         yield
     finally:
         ck._forward_tile, ck._backward_tile, ck._addmm_fp32 = saved
+        tu.is_triton_available, tu._supports_trl_loss_kernel = kernel[:2]
+        if kernel[2] is None:
+            del tu._fused_logprob_entropy
+        else:
+            tu._fused_logprob_entropy = kernel[2]
+
+
+def _kernel_supports(logits: torch.Tensor, index: Any = None, row_mask: Any = None) -> bool:
+    """trl.trainer.utils._supports_trl_loss_kernel without its CUDA device check."""
+    return logits.dtype in (torch.float16, torch.bfloat16, torch.float32) and \
+        1 <= logits.ndim <= 3 and logits.stride(-1) == 1
+
+
+class _LogProbEntropyAllocations(torch.autograd.Function):
+    """What TRL's fused log-prob/entropy Triton kernel (trl/kernels/logprob_entropy.py
+    ``_LogProbEntropyFunction``) allocates, for CPU traces where Triton is absent:
+    four fp32 per-row vectors in the forward, the logits kept for backward, and a
+    contiguous gradient of the logits' shape in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, index: torch.Tensor) -> Any:
+        shape = logits.shape[:-1]
+        logprobs, entropy, log_z, expected = (
+            torch.empty(shape, dtype=torch.float32) for _ in range(4))
+        ctx.save_for_backward(logits, index, log_z, expected)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logprobs: Any, grad_entropy: Any) -> Any:
+        logits = ctx.saved_tensors[0]
+        return torch.empty_like(logits, memory_format=torch.contiguous_format), None
+
+
+def _fused_logprob_entropy(logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0,
+                           row_mask: Any = None) -> Any:
+    return _LogProbEntropyAllocations.apply(logits, index)
 
 
 def traced_stage(cfg: RunConfig, hf_config: dict[str, Any], model: Any, num_layers: int,
@@ -205,6 +252,10 @@ def traced_stage(cfg: RunConfig, hf_config: dict[str, Any], model: Any, num_laye
     from ...memory.stages import stage_plan
     from ..build import build_model
 
+    if cfg.stage == "ppo":
+        from .ppo_step import ppo_setup
+
+        return StageSetup(**vars(ppo_setup(cfg, hf_config, model, num_layers, seq, fake)))
     reference = None
     if stage_plan(cfg).reference == "separate":
         reference = build_model(hf_config, cfg, mode="fake", num_layers=num_layers,
@@ -232,7 +283,7 @@ def stage_setup(cfg: RunConfig, model: Any, hf_config: dict[str, Any], batch: in
         inputs = _fake_inputs(cfg.stage, model, batch, seq)
     notes = ["training stage traced through TRL's own trainer: its compute_loss on the fake "
              "model, with a batch of full-length samples (every position a completion token)"]
-    return StageSetup(lambda m, b: trainer.compute_loss(m, b), inputs,
+    return StageSetup(model, lambda m, b: trainer.compute_loss(m, b), inputs,
                       (reference,) if reference is not None else (), tuple(notes))
 
 
