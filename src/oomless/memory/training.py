@@ -14,14 +14,25 @@ from ..models.spec import ModelSpec
 from ..result import MemoryEstimate
 from . import constants as C
 from .activations import LayerPlan, layer_activation_bytes
-from .gemma import (effective_attn, gemma_assumptions, is_sliding_layer, sliding_mask_bytes,
-                    softcap_logits_bytes)
+from .gemma import (
+    effective_attn,
+    gemma_assumptions,
+    is_sliding_layer,
+    sliding_mask_bytes,
+    softcap_logits_bytes,
+)
 from .moe_lora import merged_expert_saved_bytes, moe_lora_assumptions
 from .overheads import finish_estimate
 from .ppo import PpoKit, ppo_phases
-from .stages import (head_bytes, reference_head_bytes, reference_rows, separate_reference_params,
-                     stage_assumptions, stage_plan)
 from .precision import Dtypes, dtypes_for
+from .stages import (
+    head_bytes,
+    reference_head_bytes,
+    reference_rows,
+    separate_reference_params,
+    stage_assumptions,
+    stage_plan,
+)
 from .states import States, lora_targets, model_states
 
 

@@ -169,7 +169,6 @@ def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | Non
     from ..build import fake_mode
     from .cuda_emulation import CudaEmulation
     from .hf_step import make_batch
-
     from .stage_trainers import TRAINER_STAGES, traced_stage, triton_kernel_emulation
 
     plan = LayerPlan(plan) if isinstance(plan, int) else plan
