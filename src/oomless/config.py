@@ -66,10 +66,24 @@ class EvalConfig(_Section):
 
 
 class VisionConfig(_Section):
-    """Vision-language models: what of the vision side is trained."""
+    """Vision-language models: what of the vision side is trained, and the images."""
 
     freeze_tower: bool = Field(True, description="vision tower frozen (LLaMA-Factory "
                                "freeze_vision_tower, GLM-4 freezeV, LLaVA's default)")
+    freeze_projector: bool = Field(True, description="multi-modal projector frozen "
+                                   "(LLaMA-Factory freeze_multi_modal_projector)")
+    image_size: int | None = Field(None, ge=1, description="side of a (square) input image in "
+                                   "pixels; default: the model's own (fixed-size towers) or "
+                                   "756 (Qwen2-VL family)")
+    max_pixels: int | None = Field(None, ge=1, description="Qwen2-VL family: largest image "
+                                   "area after resizing (processor max_pixels, LLaMA-Factory "
+                                   "image_max_pixels); default: the processor's")
+    min_pixels: int | None = Field(None, ge=1, description="Qwen2-VL family: smallest image "
+                                   "area after resizing (processor min_pixels)")
+    attn: Literal["auto", "eager", "sdpa"] = Field(
+        "auto", description="the tower's attention: auto (what the model's code runs: the "
+        "run's attn for transformers towers, SDPA for GLM-4V's EVA2-CLIP), eager or sdpa "
+        "(eager, and SDPA's math fallback, keep the patches² × heads scores)")
 
 
 class RlhfConfig(_Section):

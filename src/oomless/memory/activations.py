@@ -38,7 +38,14 @@ class LayerPlan:
 # NewGELUActivation (gelu_new, GPT-2/Phi) = 0.5·x·(1 + tanh(√(2/π)(x + 0.044715x³)))
 # keeps x (pow), tanh's output, 1 + tanh and 0.5·x: three tensors more than a
 # fused GELU/SiLU kernel (transformers/activations.py).
-ACT_EXTRA_SAVED = {"gelu_new": 3, "gelu_fast": 3, "gelu_accurate": 3}
+ACT_EXTRA_SAVED = {"gelu_new": 3, "gelu_fast": 3, "gelu_accurate": 3,
+                   # QuickGELUActivation (CLIP, Qwen2-VL towers): x · sigmoid(1.702·x) keeps the
+                   # sigmoid's output as well
+                   "quick_gelu": 1}
+# Towers without rotary embeddings: q, k and v are views of one fused projection's output.
+# With rotary embeddings (decoders, Qwen2-VL's tower) q and k are rotated copies and v
+# stays a view of the fused output, which keeps all of it alive.
+NO_ROTARY_MODEL_TYPES = frozenset({"clip_vision", "eva2clip_vision"})
 
 
 class _Saved:
@@ -138,7 +145,8 @@ def _attention(saved: _Saved, spec: ModelSpec, b: int, s: int, dt: Dtypes,
         # fp32 log-sum-exp (no s² matrix); GQA runs natively (enable_gqa).
         saved.add("attn.q", a * t * q)
         saved.add("attn.k", a * t * kv)
-        saved.add("attn.v", a * t * kv)
+        fused_view = spec.fused_qkv and spec.model_type not in NO_ROTARY_MODEL_TYPES
+        saved.add("attn.v", a * t * ((q + 2 * kv) if fused_view else kv))
         saved.add("attn.out", a * t * q)
         saved.add("attn.lse", C.LSE_BYTES * b * nh * s)
     # The output goes to o_proj as (b, s, heads·dim): flash/SDPA kernels already
@@ -192,6 +200,9 @@ def layer_activation_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: La
         if spec.norms_per_layer >= 4:  # Gemma-2 post-attention / post-MLP norms
             _norm(saved, "norm3", t, h, dt, plan, spec.norm_type, normed)
             _norm(saved, "norm4", t, h, dt, plan, spec.norm_type, normed)
+    if spec.resid_dropout:  # Phi-2: dropout on the attention and MLP outputs keeps its masks
+        saved.add("resid_dropout.attn_mask", 1 * t * h)  # CUDA native_dropout: bool mask
+        saved.add("resid_dropout.mlp_mask", 1 * t * h)
     src = "x_norm2" if spec.norms_per_layer > 1 else "x_norm1"
     if not moe_layer:
         _mlp(saved, spec, t, spec.intermediate_size, dt, plan, src, nb, "mlp")

@@ -13,6 +13,7 @@ from . import constants as C
 from .moe_lora import expert_adapter_params, is_fused_expert_target
 from .precision import Dtypes
 from .stages import score_head_param_delta
+from .vision import vision_trainable_params
 
 # Module names people write in LoRA target lists → our canonical names
 # (ChatGLM, Phi-2, GPT-2, Mixtral-legacy, InternLM spellings).
@@ -151,7 +152,9 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     adapter += expert_adapter_params(spec, cfg)  # PEFT's ParamWrapper on fused experts
     head_weights, head_trained = score_head_param_delta(spec, cfg)  # rm: score head, no lm_head
     adapter += head_trained if cfg.method != "full" else 0
-    trainable = spec.param_count + head_trained if cfg.method == "full" else adapter
+    vision = vision_trainable_params(spec, cfg)  # tower adapters, or a frozen tower (full FT)
+    adapter += vision if cfg.method != "full" else 0
+    trainable = spec.param_count + head_trained + vision if cfg.method == "full" else adapter
     st.trainable_params = trainable
 
     weights = weight_bytes(spec, cfg, dt) + head_weights * dt.base_weight_bytes

@@ -34,13 +34,19 @@ from .stages import (
     stage_plan,
 )
 from .states import States, lora_targets, model_states
+from .vision import (
+    image_tokens,
+    tower_forward_bytes,
+    tower_plan,
+    tower_saved_bytes,
+    vision_assumptions,
+)
 
 
 def llm_seq_len(spec: ModelSpec, cfg: RunConfig) -> int:
     """Tokens per sample the language model runs on: text plus image tokens."""
     images = cfg.data.images_per_sample if spec.vision else 0
-    per_image = cfg.data.image_tokens or (spec.vision.tokens_per_image if spec.vision else 0)
-    return cfg.seq_len + images * per_image
+    return cfg.seq_len + images * image_tokens(spec, cfg)
 
 
 def layer_plan(spec: ModelSpec, cfg: RunConfig) -> LayerPlan:
@@ -69,7 +75,8 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
         moe = _layer_bytes(spec, b, s, dt, plan, True) + merged_expert_saved_bytes(
             spec, cfg, dt, b * s)
     n_moe = spec.num_moe_layers
-    one_layer = max(dense, moe)
+    tower = tower_saved_bytes(spec, cfg, dt)  # a trained vision tower's layers
+    one_layer = max(dense, moe, tower["one_layer"])
     t = b * s
     # Shared by all layers: RoPE cos/sin (b, s, head_dim) in the residual
     # stream's dtype; the final norm's fp32 input; lm_head's input (and its
@@ -82,7 +89,7 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
         shared += dt.act_bytes * t * spec.hidden_size
         if dt.autocast and dt.trainable_bytes != dt.act_bytes:
             shared += dt.act_bytes * spec.vocab_size * spec.hidden_size
-    elif not cfg.grad_ckpt:
+    elif not cfg.grad_ckpt and tower_plan(spec, cfg) is None:
         # Frozen embeddings: nothing before the first adapter needs a gradient,
         # so the first layer's input norm keeps nothing (with checkpointing HF
         # makes the embedding output require grad, enable_input_require_grads).
@@ -98,7 +105,7 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
         layers = spec.num_layers * dt.resid_bytes * t * spec.hidden_size
     else:
         layers = (spec.num_layers - n_moe) * dense + n_moe * moe + masks
-    return {"layers": layers + shared, "one_layer": one_layer}
+    return {"layers": layers + shared + tower["layers"], "one_layer": one_layer}
 
 
 def _layer_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: LayerPlan,
@@ -211,6 +218,9 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
     in_layer = {**persistent, **fwd_grads, "activations": acts["layers"],
                 "temporaries": forward_transient_bytes(spec, cfg, dt, t)}
     phases["forward"] = max(phases["forward"], in_layer, key=lambda d: sum(d.values()))
+    # a frozen vision tower's forward runs before the language model's: its own peak
+    vision = {**persistent, **fwd_grads, "vision_forward": tower_forward_bytes(spec, cfg, dt)}
+    phases["forward"] = max(phases["forward"], vision, key=lambda d: sum(d.values()))
     ref_rows = reference_rows(cfg, plan)
     if ref_rows:  # the reference's no-grad forward, after the policy's, on the same rows
         ref = {**persistent, **fwd_grads, "activations": acts["layers"], "logits": head["saved"],
@@ -307,11 +317,7 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     ]
     if cfg.method != "full":
         out.append("LoRA adapters in fp32 (PEFT autocast_adapter_dtype) under bf16/fp16 autocast")
-    if spec.vision:
-        out.append(
-            "vision tower frozen and run without gradients (LLaMA-Factory's default "
-            "freeze_vision_tower); image tokens are added to seq_len"
-        )
+    out += vision_assumptions(spec, cfg)
     if spec.is_moe:
         out.append(
             f"MoE: every token visits {spec.experts_per_token} experts; expert "

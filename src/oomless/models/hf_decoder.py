@@ -219,6 +219,7 @@ def decoder_spec(f: ConfigFields, name: str, model_type: str | None = None) -> M
         attn_logit_softcap=_softcap(f, fam, "attn_logit_softcapping"),
         final_logit_softcap=_softcap(f, fam, "final_logit_softcapping"),
         sdpa_supported=not fam.get("no_sdpa", False),
+        resid_dropout=float(f.get("resid_pdrop") or 0.0) > 0,  # PhiDecoderLayer.resid_dropout
         dtype=_dtype(f),
         **_attention(f, fam),
         **moe,

@@ -245,6 +245,10 @@ def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake"
     if frozen:
         model.requires_grad_(False)
         model.eval()
+    elif cfg.method == "full" and _is_vlm(model):
+        from .trace.vision_inputs import freeze_vision
+
+        freeze_vision(model, cfg)
     elif cfg.method in ("lora", "qlora"):
         # fake mode: adapters are created on the meta device like the base weights
         # (PEFT would otherwise initialise them for real on the CPU, which is slow)
@@ -258,15 +262,26 @@ def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake"
                       num_layers_of(hf_config), notes)
 
 
+def _is_vlm(model: Any) -> bool:
+    from .trace.vision_inputs import is_vlm
+
+    return is_vlm(model)
+
+
 def _apply_lora(model: Any, cfg: RunConfig, task_type: str = "CAUSAL_LM") -> Any:
     from peft import LoraConfig, get_peft_model
 
     targets = cfg.lora.targets
+    modules = targets if targets == "all-linear" else list(targets)
+    if _is_vlm(model):  # the language model's linears (and the tower's when unfrozen)
+        from .trace.vision_inputs import lora_target_modules
+
+        modules = lora_target_modules(model, cfg)
     lora = LoraConfig(
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
-        target_modules=targets if targets == "all-linear" else list(targets),
+        target_modules=modules,
         task_type=task_type,
     )
     try:

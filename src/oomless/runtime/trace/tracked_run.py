@@ -158,9 +158,16 @@ def run_tracked(model: Any, cfg: RunConfig, batch: dict, eval_batch: dict | None
     if layers_name:
         modules.set_layers(layers_name, num_layers)
     tracker.modules = modules
+    from .cuda_emulation import cuda_autocast_layer_norm, cuda_dropout
+
     values = FullBatchMode() if full_batch_values else contextlib.nullcontext()
+    cuda = contextlib.ExitStack()
+    if emulation is not None:  # CUDA's LayerNorm under autocast and its dropout kernel
+        cuda.enter_context(cuda_autocast_layer_norm())
+        cuda.enter_context(cuda_dropout())
     try:
-        with fake if fake is not None else contextlib.nullcontext(), values, tracker, modules:
+        with fake if fake is not None else contextlib.nullcontext(), values, cuda, tracker, \
+                modules:
             tracker.losses = run_steps(
                 model, cfg, batch, device_type=device_type, iterations=iterations,
                 on_phase=calls.on_phase, on_grads=calls.on_grads, on_states=calls.on_states,
