@@ -36,6 +36,8 @@ from .stages import (
 from .states import States, lora_targets, model_states
 from .vision import (
     image_tokens,
+    merged_input_bytes,
+    pixel_bytes,
     tower_forward_bytes,
     tower_plan,
     tower_saved_bytes,
@@ -214,7 +216,8 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
 
     phases: dict[str, dict[str, int]] = {}
     phases["forward"] = {**persistent, **fwd_grads, "activations": acts["layers"],
-                         "logits": logits["forward"]}
+                         "logits": logits["forward"],
+                         "image_embeddings": merged_input_bytes(spec, cfg, dt, t)}
     in_layer = {**persistent, **fwd_grads, "activations": acts["layers"],
                 "temporaries": forward_transient_bytes(spec, cfg, dt, t)}
     phases["forward"] = max(phases["forward"], in_layer, key=lambda d: sum(d.values()))
@@ -292,6 +295,8 @@ def training_phases(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = N
     step_only = {k: gpu_state.pop(k) for k in ("grad_partition_fp32",) if k in gpu_state}
     cap = cluster.gpu.compute_capability if cluster else "9.0"
     gpu_state["cublas_workspace"] = C.cublas_workspace_bytes(cap)
+    if pixel_bytes(spec, cfg):  # the images' fp32 pixel tensors, on the GPU for the step
+        gpu_state["inputs"] = round(pixel_bytes(spec, cfg))
     ref_params = separate_reference_params(spec, cfg)  # dpo/kto full FT: a frozen copy
     if ref_params:
         gpu_state["reference_model"] = round(ref_params * dt.base_weight_bytes)

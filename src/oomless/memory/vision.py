@@ -230,3 +230,24 @@ def vision_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
                    "tower layer keeps its activations")
     out.append(f"tower attention: {tower_attn(spec, cfg)}")
     return out
+
+
+def pixel_bytes(spec: ModelSpec, cfg: RunConfig) -> float:
+    """The processor's fp32 pixel tensors of one micro batch, on the GPU for the step:
+    (images, 3, side, side) for fixed-size towers; (patches, 3·2·patch²) for Qwen2-VL."""
+    if not spec.vision or not cfg.data.images_per_sample:
+        return 0
+    images = cfg.micro_batch_size * cfg.data.images_per_sample
+    vision = spec.vision
+    if vision.dynamic_resolution:
+        return 4 * images * image_geometry(vision, cfg).patches * 3 * 2 * vision.patch_size**2
+    return 4 * images * 3 * vision.image_size**2
+
+
+def merged_input_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> float:
+    """What the model's forward holds in its own variables until it returns: the input
+    embeddings with the image features scattered in, and the image features."""
+    if not spec.vision or not cfg.data.images_per_sample:
+        return 0
+    images = cfg.micro_batch_size * cfg.data.images_per_sample
+    return dt.act_bytes * spec.hidden_size * (t + images * image_tokens(spec, cfg))
