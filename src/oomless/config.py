@@ -26,6 +26,8 @@ Offload = Literal["none", "optimizer", "all"]
 # run one sequence per sample; rm, dpo, kto, orpo and simpo run preference pairs;
 # ppo holds policy, reference, reward and value models and generates.
 Stage = Literal["pt", "sft", "rm", "dpo", "kto", "orpo", "simpo", "ppo"]
+# The reference model of dpo/kto/ppo (docs/config.md, rlhf.reference)
+Reference = Literal["auto", "adapter-off", "separate", "precomputed"]
 # The software that runs the training step: each stack's memory-relevant behaviours
 # are listed in docs/stacks.md.
 Stack = Literal["hf-trainer", "trl", "llamafactory", "axolotl", "swift", "unsloth",
@@ -90,7 +92,7 @@ class RlhfConfig(_Section):
     """Training stages other than pt/sft: the reference, reward and value models, PPO's
     generation (docs/config.md, "rlhf"). Keys follow TRL's and LLaMA-Factory's meaning."""
 
-    reference: Literal["auto", "adapter-off", "separate", "precomputed"] = Field(
+    reference: Reference = Field(
         "auto", description="dpo/kto/ppo reference: auto (LoRA: the policy with its adapters "
         "switched off; full: a separate frozen copy), adapter-off, separate, precomputed "
         "(TRL precompute_ref_log_probs: no reference forward in the step)")

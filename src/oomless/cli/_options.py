@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any, get_args
 
-from ..config import Offload, Precision
+from ..config import Offload, Precision, Reference, Stage
 from ..knobs import ATTENTIONS, METHODS, OPTIMIZERS
 
 # flag → dotted RunConfig key
@@ -17,7 +17,9 @@ _FLAG_KEYS = {
     "lora_dropout": "lora.dropout", "zero": "zero", "offload": "offload",
     "nodes": "hardware.nodes", "host_ram_gb": "hardware.host_ram_gb",
     "eval_batch_size": "eval.batch_size", "max_new_tokens": "eval.max_new_tokens",
-    "images": "data.images_per_sample",
+    "images": "data.images_per_sample", "stage": "stage", "image_size": "vision.image_size",
+    "max_pixels": "vision.max_pixels", "freeze_tower": "vision.freeze_tower",
+    "reference": "rlhf.reference",
 }
 
 
@@ -46,6 +48,13 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-batch-size", type=int)
     g.add_argument("--max-new-tokens", type=int, help="generation during evaluation")
     g.add_argument("--images", type=int, help="images per sample (vision-language models)")
+    g.add_argument("--image-size", type=int, help="side of an input image in pixels")
+    g.add_argument("--max-pixels", type=int, help="Qwen2-VL family: largest image area")
+    g.add_argument("--freeze-tower", action=argparse.BooleanOptionalAction, default=None,
+                   help="vision tower frozen (default) or trained")
+    g.add_argument("--stage", choices=list(get_args(Stage)), help="training stage (sft)")
+    g.add_argument("--reference", choices=list(get_args(Reference)),
+                   help="dpo/kto/ppo reference model (auto)")
     g.add_argument("--expandable-segments", action="store_true",
                    help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
