@@ -143,6 +143,10 @@ def tower_saved_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> dict[str, 
     layer = layer_activation_bytes(tower, images, patches, dt, plan)
     rows = images * patches
     embeddings = dt.resid_bytes * rows * tower.hidden_size  # patch embedding + positions
+    if cfg.method == "full":  # the trained patch convolution keeps its 16-bit pixels
+        embeddings += dt.act_bytes * rows * 3 * 2 * spec.vision.patch_size**2 \
+            if spec.vision.dynamic_resolution else dt.act_bytes * images * 3 * (
+                spec.vision.image_size**2)
     if cfg.grad_ckpt:
         layers = tower.num_layers * dt.resid_bytes * rows * tower.hidden_size
     else:
@@ -160,13 +164,18 @@ def projector_saved_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
     tokens = images * image_geometry(vision, cfg).tokens
     h, a = spec.hidden_size, dt.act_bytes
     trained = not cfg.vision.freeze_projector
+    # fp32 weights under autocast (full fine-tuning): the 16-bit copies of the projector's
+    # weights stay for the gradient of its input (autocast's weight cache)
+    casts = a * vision.projector_params if (dt.autocast and dt.base_weight_bytes == 4) else 0
     if vision.kind == "eva2clip":  # conv 2×2, GLU: linear, LayerNorm, GELU, SiLU(gate)·up, down
         ffn = spec.intermediate_size
         kept = tokens * (4 * h + 3 * a * ffn + a * h)
-        return kept + (a * tokens * (4 * vision.hidden_size + 2 * h + ffn) if trained else 0)
+        return casts + kept + (a * tokens * (4 * vision.hidden_size + 2 * h + ffn) if trained else 0)
     width = vision.hidden_size * vision.merge_size**2
     kept = a * tokens * (width if vision.merge_size > 1 else h)  # GELU input
-    return kept + (a * tokens * (width + h) if trained else 0)
+    if vision.merge_size > 1:  # Qwen2-VL's merger normalises first (LayerNorm: fp32 input)
+        kept += 4 * tokens * width
+    return casts + kept + (a * tokens * (width + h) if trained else 0)
 
 
 def tower_forward_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
