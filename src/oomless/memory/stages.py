@@ -212,27 +212,32 @@ def score_head_param_delta(spec: ModelSpec, cfg: RunConfig) -> tuple[int, int]:
     return 2 * h - spec.lm_head_params, h
 
 
+_HEAD_NOTES = {
+    "chunked_logprobs": "log-probs from TRL's fused head (4096 × 32768 projection tiles, no "
+                        "vocabulary-sized logits; its Triton kernels fold tiles in place)",
+    "full_logprobs": "log-probs from the full logits in fp32 and their log-softmax",
+    "kernel_logprobs": "log-probs from the full fp32 logits through TRL's fused Triton kernel",
+    "score": "reward model: AutoModelForSequenceClassification, no lm_head, a trained "
+             "hidden → 1 score head",
+}
+_REFERENCE_NOTES = {
+    "adapter-off": "reference: the policy with its LoRA adapters switched off, a no-grad "
+                   "forward after the policy's",
+    "separate": "reference: a separate frozen copy of the model in the policy's dtype",
+    "precomputed": "reference log-probs precomputed before training: no reference in the step",
+}
+
+
 def stage_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     plan = stage_plan(cfg)
     if plan.stage in ("pt", "sft"):
         return []
     out = [f"stage {plan.stage}: {plan.rows} sequence(s) of seq_len per sample in one "
            "forward, every position after the first a completion token"]
-    if plan.head == "chunked_logprobs":
-        out.append("log-probs from TRL's fused head (4096 × 32768 projection tiles, no "
-                   "vocabulary-sized logits; its Triton kernels fold tiles in place)")
-    elif plan.head == "full_logprobs":
-        out.append("log-probs from the full logits in fp32 and their log-softmax")
-    elif plan.head == "kernel_logprobs":
-        out.append("log-probs from the full fp32 logits through TRL's fused Triton kernel")
-    elif plan.head == "score":
-        out.append("reward model: AutoModelForSequenceClassification, no lm_head, a trained "
-                   "hidden → 1 score head")
-    if plan.reference == "adapter-off":
-        out.append("reference: the policy with its LoRA adapters switched off, a no-grad "
-                   "forward after the policy's")
-    elif plan.reference == "separate":
-        out.append("reference: a separate frozen copy of the model in the policy's dtype")
-    elif plan.reference == "precomputed":
-        out.append("reference log-probs precomputed before training: no reference in the step")
-    return out
+    if plan.stage == "ppo":
+        out.append("ppo as TRL's last PPOTrainer runs it: reward and value models of the "
+                   "policy's architecture (the value model trained with AdamW), generation "
+                   "scores of the step's queries kept in fp32 until the next rollout, the "
+                   "update under accelerate's autocast with fp32 outputs kept through backward")
+    return out + [note for note in (_HEAD_NOTES.get(plan.head),
+                                     _REFERENCE_NOTES.get(plan.reference)) if note]
