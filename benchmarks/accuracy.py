@@ -23,6 +23,7 @@ import sys
 import time
 from datetime import date
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -42,6 +43,9 @@ from oomless.models.catalog import resolve_model  # noqa: E402
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 MQA = str(HERE / "configs" / "llama-mqa")
+GEMMA3 = str(HERE / "configs" / "gemma-3-1b-it")
+QWEN2VL = str(HERE / "configs" / "qwen2-vl-2b-instruct")
+SHELLS = HERE.parent / "tests" / "runtime"  # glm4v_shell.py: GLM-4V's tower, test-only
 
 # (model, what it stands for)
 ARCHS = [
@@ -85,9 +89,59 @@ def matrix(quick: bool) -> list[dict]:
         {"model": "qwen2.5-7b-instruct", "method": "full", "micro_batch_size": 1, "seq_len": 1024,
          "grad_ckpt": True},
     ]
+    rows += issue12_rows()
     if quick:
         rows = rows[::8]
     return rows
+
+
+def issue12_rows() -> list[dict]:
+    """Gemma-2/3, vision towers, training stages, MoE + LoRA on the fused experts."""
+    img = {"images_per_sample": 1}
+    lm = {"r": 8, "dropout": 0.1, "targets": ["q_proj", "k_proj", "v_proj"]}
+    return [
+        # Gemma-2: soft-capping, eager (no SDPA path), four norms; Gemma-3: sliding masks
+        {"model": "gemma-2-2b-it", "method": "lora", "micro_batch_size": 1, "seq_len": 1024},
+        {"model": "gemma-2-2b-it", "method": "full", "micro_batch_size": 2, "seq_len": 1024},
+        {"model": "gemma-2-9b-it", "method": "qlora", "micro_batch_size": 2, "seq_len": 2048,
+         "grad_ckpt": True, "attn": "flash"},
+        {"model": GEMMA3, "method": "lora", "micro_batch_size": 1, "seq_len": 2048},
+        # vision towers run with the language model
+        {"model": "llava-1.5-7b", "method": "lora", "micro_batch_size": 1, "seq_len": 1024,
+         "data": img, "vision": {"freeze_tower": False}},
+        {"model": QWEN2VL, "method": "lora", "micro_batch_size": 1, "seq_len": 512, "data": img,
+         "vision": {"image_size": 448}},
+        {"model": QWEN2VL, "method": "lora", "micro_batch_size": 1, "seq_len": 512, "data": img,
+         "vision": {"image_size": 1344}},
+        {"model": QWEN2VL, "method": "lora", "micro_batch_size": 1, "seq_len": 512, "data": img,
+         "vision": {"image_size": 1344, "freeze_tower": False}},
+        {"model": QWEN2VL, "method": "full", "micro_batch_size": 1, "seq_len": 256, "attn": "eager",
+         "data": {"images_per_sample": 2}, "vision": {"image_size": 672}},
+        {"model": "glm-4v-9b", "shell": "glm4v", "method": "lora", "micro_batch_size": 1,
+         "seq_len": 1024, "data": img, "lora": lm},
+        {"model": "glm-4v-9b", "shell": "glm4v", "method": "lora", "micro_batch_size": 1,
+         "seq_len": 1024, "data": img, "lora": lm, "vision": {"freeze_tower": False}},
+        # training stages through TRL's trainers (PPO: TRL's last PPOTrainer step)
+        {"model": "qwen2.5-0.5b-instruct", "stage": "dpo", "method": "lora",
+         "micro_batch_size": 2, "seq_len": 1024},
+        {"model": "qwen2.5-0.5b-instruct", "stage": "dpo", "method": "full",
+         "micro_batch_size": 2, "seq_len": 512},
+        {"model": "llama-3.2-1b-instruct", "stage": "dpo", "method": "lora",
+         "micro_batch_size": 1, "seq_len": 2048, "grad_ckpt": True},
+        {"model": "qwen2.5-0.5b-instruct", "stage": "rm", "method": "lora",
+         "micro_batch_size": 2, "seq_len": 1024},
+        {"model": "qwen2.5-0.5b-instruct", "stage": "kto", "method": "lora",
+         "micro_batch_size": 2, "seq_len": 1024},
+        {"model": "qwen2.5-0.5b-instruct", "stage": "orpo", "method": "lora",
+         "micro_batch_size": 2, "seq_len": 512},
+        {"model": "qwen2.5-0.5b-instruct", "stage": "simpo", "method": "lora",
+         "micro_batch_size": 2, "seq_len": 512},
+        {"model": "qwen2.5-0.5b-instruct", "stage": "ppo", "method": "lora",
+         "micro_batch_size": 2, "grad_accum": 2, "seq_len": 256},
+        # MoE + LoRA all-linear: PEFT's merged expert copies
+        {"model": "mixtral-8x7b-v0.1", "method": "lora", "micro_batch_size": 1, "seq_len": 512},
+        {"model": "qwen3-30b-a3b", "method": "lora", "micro_batch_size": 1, "seq_len": 512},
+    ]
 
 
 def _err(pred: int | None, ref: int) -> float | None:
@@ -131,14 +185,45 @@ def _accelerate(resolved, cfg: RunConfig) -> int | None:
 _MT_FROZEN_FAILURE: list[str] = []
 
 
+def _glm4v_shell(cfg: RunConfig):
+    """GLM-4V at 1120 px: a trace of the test-only stand-in of its EVA2-CLIP tower in front
+    of transformers' GLM-4 port, and the spec of exactly that model (LM: the port)."""
+    import dataclasses
+
+    sys.path.insert(0, str(SHELLS))
+    from glm4v_shell import build_fake_shell, shell_batch
+
+    from oomless.memory.vision import image_tokens
+    from oomless.models.catalog import get_entry
+    from oomless.models.hf_config import spec_from_hf_config
+    from oomless.models.hf_decoder import chatglm_to_glm
+    from oomless.runtime.build import fake_mode
+    from oomless.runtime.trace.module_trace import trace_module
+
+    config = get_entry("glm-4v-9b").config
+    spec = dataclasses.replace(spec_from_hf_config(chatglm_to_glm(config), "glm-4v-9b (shell)"),
+                               vision=resolve_model("glm-4v-9b").spec.vision)
+    model, layers = build_fake_shell(config, cfg)
+    with fake_mode():
+        batch = shell_batch(model, config["vision_config"], cfg.seq_len, image_tokens(spec, cfg))
+    stats = trace_module(model, cfg, batch, num_layers=layers, loss_fn=lambda m, b: m(**b).loss)
+    peak = max(stats.phase_peaks, key=stats.phase_peaks.__getitem__)
+    traced = SimpleNamespace(peak_allocated_bytes=stats.phase_peaks[peak], peak_phase=peak,
+                             extra={})
+    return spec, traced
+
+
 def run_row(row: dict, with_memtracker: bool) -> dict:
     from oomless.runtime.trace.fake import trace_training
 
-    cfg = RunConfig.model_validate(row)
+    cfg = RunConfig.model_validate({k: v for k, v in row.items() if k != "shell"})
     resolved = resolve_model(cfg.model)
     spec = resolved.spec
     t0 = time.perf_counter()
-    traced = trace_training(cfg, resolved=resolved)
+    if row.get("shell") == "glm4v":
+        spec, traced = _glm4v_shell(cfg)
+    else:
+        traced = trace_training(cfg, resolved=resolved)
     trace_s = time.perf_counter() - t0
     ref = traced.peak_allocated_bytes
     ours = estimate_training(spec, cfg)
@@ -154,9 +239,12 @@ def run_row(row: dict, with_memtracker: bool) -> dict:
         "deepspeed_bytes": deepspeed_estimate(spec, cfg, largest_module_params(spec)),
         "gpu_poor_bytes": gpu_poor_estimate(spec, cfg),
     }
+    plain = cfg.stage == "sft" and not cfg.data.images_per_sample
     out["accelerate_bytes"] = _accelerate(resolved, cfg) if resolved.hf_config else None
     if not with_memtracker:
         mt, why = None, "not run"
+    elif not plain:
+        mt, why = None, "not run (its step is the causal-LM loss without images)"
     elif cfg.method != "full" and _MT_FROZEN_FAILURE:
         mt, why = None, _MT_FROZEN_FAILURE[0]  # it failed on the first frozen-weight row
     else:
@@ -182,6 +270,17 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def _images(c: dict) -> str:
+    """Images per sample, their size and whether the tower trains."""
+    n = (c.get("data") or {}).get("images_per_sample", 0)
+    if not n:
+        return "—"
+    vision = c.get("vision") or {}
+    size = vision.get("image_size", "native")
+    tower = "tower trained" if vision.get("freeze_tower") is False else "tower frozen"
+    return f"{n}×{size}px, {tower}"
+
+
 def markdown(result: dict) -> str:
     gib = 2**30
     s = result["summary"]
@@ -197,8 +296,9 @@ def markdown(result: dict) -> str:
         med = "—" if v["median_abs_error"] is None else f"{v['median_abs_error']:.1%}"
         mx = "—" if v["max_abs_error"] is None else f"{v['max_abs_error']:.1%}"
         lines.append(f"| {peer} | {v['rows']} | {med} | {mx} |")
-    lines += ["", "| model | method | b×s | ckpt | attn | trace GiB | ours | accelerate | "
-              "DeepSpeed | gpu_poor | MemTracker |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | method | stage | b×s | ckpt | attn | images | trace GiB | ours | "
+              "accelerate | DeepSpeed | gpu_poor | MemTracker |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def pct(x):
         return "—" if x is None else f"{x:+.1%}"
@@ -206,9 +306,12 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         c = r["config"]
         lines.append(
-            f"| {r['model']} | {c.get('method')} | {c.get('micro_batch_size', 1)}×"
-            f"{c.get('seq_len')} | {'yes' if c.get('grad_ckpt') else 'no'} | "
-            f"{c.get('attn', 'sdpa')} | {r['trace_bytes'] / gib:.2f} | {pct(r['ours_error'])} | "
+            f"| {r['model']} | {c.get('method')} | {c.get('stage', 'sft')} | "
+            f"{c.get('micro_batch_size', 1)}×{c.get('seq_len')}"
+            f"{'×' + str(c['grad_accum']) if c.get('grad_accum') else ''} | "
+            f"{'yes' if c.get('grad_ckpt') else 'no'} | "
+            f"{c.get('attn', 'sdpa')} | {_images(c)} | {r['trace_bytes'] / gib:.2f} | "
+            f"{pct(r['ours_error'])} | "
             f"{pct(r['accelerate_error'])} | {pct(r['deepspeed_error'])} | "
             f"{pct(r['gpu_poor_error'])} | {pct(r['memtracker_error'])} |")
     fails = sorted({r["memtracker_failure"] for r in result["rows"] if r["memtracker_failure"]})

@@ -27,6 +27,8 @@ QuantStorage = Literal["uint8", "bfloat16", "float16", "float32"]
 # run one sequence per sample; rm, dpo, kto, orpo and simpo run preference pairs;
 # ppo holds policy, reference, reward and value models and generates.
 Stage = Literal["pt", "sft", "rm", "dpo", "kto", "orpo", "simpo", "ppo"]
+# The reference model of dpo/kto/ppo (docs/config.md, rlhf.reference)
+Reference = Literal["auto", "adapter-off", "separate", "precomputed"]
 # The software that runs the training step: each stack's memory-relevant behaviours
 # are listed in docs/stacks.md.
 Stack = Literal["hf-trainer", "trl", "llamafactory", "axolotl", "swift", "unsloth",
@@ -106,10 +108,49 @@ class EvalConfig(_Section):
 
 
 class VisionConfig(_Section):
-    """Vision-language models: what of the vision side is trained."""
+    """Vision-language models: what of the vision side is trained, and the images."""
 
     freeze_tower: bool = Field(True, description="vision tower frozen (LLaMA-Factory "
                                "freeze_vision_tower, GLM-4 freezeV, LLaVA's default)")
+    freeze_projector: bool = Field(True, description="multi-modal projector frozen "
+                                   "(LLaMA-Factory freeze_multi_modal_projector)")
+    image_size: int | None = Field(None, ge=1, description="side of a (square) input image in "
+                                   "pixels; default: the model's own (fixed-size towers) or "
+                                   "756 (Qwen2-VL family)")
+    max_pixels: int | None = Field(None, ge=1, description="Qwen2-VL family: largest image "
+                                   "area after resizing (processor max_pixels, LLaMA-Factory "
+                                   "image_max_pixels); default: the processor's")
+    min_pixels: int | None = Field(None, ge=1, description="Qwen2-VL family: smallest image "
+                                   "area after resizing (processor min_pixels)")
+    attn: Literal["auto", "eager", "sdpa"] = Field(
+        "auto", description="the tower's attention: auto (what the model's code runs: the "
+        "run's attn for transformers towers, SDPA for GLM-4V's EVA2-CLIP), eager or sdpa "
+        "(eager, and SDPA's math fallback, keep the patches² × heads scores)")
+
+
+class RlhfConfig(_Section):
+    """Training stages other than pt/sft: the reference, reward and value models, PPO's
+    generation (docs/config.md, "rlhf"). Keys follow TRL's and LLaMA-Factory's meaning."""
+
+    reference: Reference = Field(
+        "auto", description="dpo/kto/ppo reference: auto (LoRA: the policy with its adapters "
+        "switched off; full: a separate frozen copy), adapter-off, separate, precomputed "
+        "(TRL precompute_ref_log_probs: no reference forward in the step)")
+    reward_model: Literal["separate", "adapter"] = Field(
+        "separate", description="ppo: a separate reward model of the same size (TRL), or a "
+        "reward adapter on the policy's base (LLaMA-Factory reward_model_type: lora)")
+    value_model: Literal["separate", "head"] = Field(
+        "separate", description="ppo: a separate value model trained with the policy (TRL), or "
+        "a value head on the policy (LLaMA-Factory AutoModelForCausalLMWithValueHead)")
+    response_length: int | None = Field(
+        None, ge=1, description="ppo: generated tokens per query (TRL response_length; default "
+        "data.max_output_length, else 53 as TRL)")
+    rollout_batch_size: int | None = Field(
+        None, ge=1, description="ppo: queries generated and scored together (TRL "
+        "local_rollout_forward_batch_size; default 64 as TRL, at most the queries of one "
+        "step, micro_batch_size × grad_accum)")
+    kto_kl: bool = Field(True, description="kto: estimate the KL term from mismatched "
+                         "completions (one more no-grad forward per model)")
 
 
 class DataConfig(_Section):
@@ -188,6 +229,7 @@ class RunConfig(_Section):
     offload: Offload = "none"
     hardware: HardwareConfig = HardwareConfig()
     vision: VisionConfig = VisionConfig()
+    rlhf: RlhfConfig = RlhfConfig()
     eval: EvalConfig = EvalConfig()
     data: DataConfig = DataConfig()
     training: TrainingConfig = TrainingConfig()

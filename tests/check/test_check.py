@@ -250,3 +250,16 @@ def test_stored_argument_names_match_the_installed_libraries():
     zero = set(DeepSpeedZeroConfig.model_fields) | {
         f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias}
     assert set(K.TOOLS["deepspeed:zero_optimization"]["keys"]) == zero
+
+
+@needs_patch
+@pytest.mark.parametrize("old", ["a: 1\nb: 2", "a: 1\nb: 2\n"], ids=["no-final-newline", "newline"])
+def test_a_diff_of_a_file_without_a_final_newline_applies(tmp_path, old):
+    """A real recipe (alignment-handbook's sft_config_full.yaml) ends without a newline;
+    a fix that appends a key after its last line must still apply with patch(1)."""
+    from oomless.check.textedit import unified_diff
+
+    (tmp_path / "f.yaml").write_text(old)
+    new = old.rstrip("\n") + "\nc: 3\n"
+    _patch(tmp_path, unified_diff(old, new, "f.yaml"))
+    assert (tmp_path / "f.yaml").read_text() == new

@@ -77,6 +77,17 @@ def test_stack_and_stage_reach_the_run_configuration(workspace):
     assert (cfg.stack, cfg.stage) == ("llamafactory", "dpo")
 
 
+@pytest.mark.parametrize(("gpu_gb", "state"), [(8, "out-of-memory"), (12, "tight"), (16, "fits")])
+def test_the_page_verdict_is_the_estimates_three_valued_verdict(gpu_gb, state):
+    """Tight where the uncertainty band straddles the GPU's memory (memory/band.py)."""
+    est = estimate(RunConfig(model="qwen2.5-7b", method="qlora", seq_len=2048, grad_ckpt=True,
+                             hardware={"gpu": f"{gpu_gb}gb"}))
+    view = service.verdict_of(est)
+    assert (view["low_bytes"], view["high_bytes"]) == (est.low_bytes, est.high_bytes)
+    assert view["low_bytes"] < est.device_peak_bytes < view["high_bytes"]
+    assert view["state"] == state  # 12 GB: 11.2 GiB lies inside the band of ~10.8 GiB
+
+
 def test_each_knob_effect_is_the_library_estimate_of_that_change(workspace):
     request = page(grad_ckpt=True, batch_size=2, gpus=2, zero=2)
     effects = service.knob_effects(workspace, request)

@@ -37,6 +37,7 @@ from .config import (
     AllocatorConfig,
     SimulatedOOM,
     allocation_size,
+    fresh_block_bytes,
     round_size,
 )
 from .replay import ALLOC, FREE, AllocatorReport, downsample, replay, stream_from_sizes
@@ -44,6 +45,7 @@ from .replay import ALLOC, FREE, AllocatorReport, downsample, replay, stream_fro
 __all__ = [
     "ALLOC", "FREE", "LARGE_BUFFER_BYTES", "MIN_BLOCK_BYTES", "MIN_LARGE_ALLOC_BYTES",
     "ROUND_LARGE_BYTES", "SMALL_BUFFER_BYTES", "SMALL_SIZE_BYTES", "AllocatorConfig",
-    "AllocatorReport", "CachingAllocator", "SimulatedOOM", "allocation_size", "downsample",
+    "AllocatorReport", "CachingAllocator", "SimulatedOOM", "allocation_size",
+    "fresh_block_bytes", "downsample",
     "replay", "round_size", "stream_from_sizes",
 ]

@@ -18,6 +18,17 @@ ROUND_LARGE_BYTES = 2 * MiB  # kRoundLarge: large segments round up to 2 MiB
 _NO_CAPACITY_ADDRESS_SPACE = 1 << 48
 
 
+def fresh_block_bytes(n_bytes: float) -> float:
+    """Bytes a request occupies (what ``memory_allocated`` counts) when it gets a new
+    segment: requests above kMinLargeAlloc get a segment rounded up to kRoundLarge, and
+    a remainder of at most kSmallSize is not split off, so it stays in the block
+    (c10/cuda/CUDACachingAllocator.cpp ``get_allocation_size``, ``should_split``)."""
+    if n_bytes <= MIN_LARGE_ALLOC_BYTES:
+        return n_bytes
+    segment = -(-n_bytes // ROUND_LARGE_BYTES) * ROUND_LARGE_BYTES
+    return segment if segment - n_bytes <= SMALL_SIZE_BYTES else n_bytes
+
+
 class SimulatedOOM(Exception):
     """The simulated allocator could not serve a request within its capacity."""
 

@@ -18,7 +18,10 @@ from ..errors import ConfigError
 def unified_diff(old: str, new: str, name: str) -> str:
     lines = difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
                                  fromfile=f"a/{name}", tofile=f"b/{name}")
-    return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+    # a last line without a newline is marked as GNU diff marks it, so that patch(1)
+    # applies the diff to the file as it is
+    return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+                   for line in lines)
 
 
 # ---- YAML -----------------------------------------------------------------------

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any, get_args
 
-from ..config import Offload, Precision, QuantStorage, Stack
+from ..config import Offload, Precision, QuantStorage, Reference, Stack, Stage
 from ..knobs import ATTENTIONS, METHODS, OPTIMIZERS
 
 # Counts and sizes above this are typing mistakes, not runs (2^40: a trillion).
@@ -81,6 +81,9 @@ _FLAG_KEYS = {
     "images": "data.images_per_sample", "stack": "stack",
     "transformers_version": "stack_options.transformers_version",
     "stack_version": "stack_options.stack_version", "quant_storage": "quantization.storage",
+    "stage": "stage", "image_size": "vision.image_size",
+    "max_pixels": "vision.max_pixels", "freeze_tower": "vision.freeze_tower",
+    "reference": "rlhf.reference",
 }
 
 
@@ -114,6 +117,13 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-batch-size", type=POSITIVE)
     g.add_argument("--max-new-tokens", type=NON_NEGATIVE, help="generation during evaluation")
     g.add_argument("--images", type=NON_NEGATIVE, help="images per sample (vision-language models)")
+    g.add_argument("--image-size", type=POSITIVE, help="side of an input image in pixels")
+    g.add_argument("--max-pixels", type=POSITIVE, help="Qwen2-VL family: largest image area")
+    g.add_argument("--freeze-tower", action=argparse.BooleanOptionalAction, default=None,
+                   help="vision tower frozen (default) or trained")
+    g.add_argument("--stage", choices=list(get_args(Stage)), help="training stage (sft)")
+    g.add_argument("--reference", choices=list(get_args(Reference)),
+                   help="dpo/kto/ppo reference model (auto)")
     g.add_argument("--expandable-segments", action="store_true",
                    help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     add_stack_options(g)

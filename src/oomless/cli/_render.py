@@ -11,7 +11,11 @@ _LABELS = {
     "grad_partition_fp32": "fp32 grad partitions", "ddp_buckets": "DDP gradient buckets",
     "zero3_gathered": "ZeRO-3 gathered layer", "cublas_workspace": "cuBLAS workspaces",
     "activations": "activations", "logits": "logits + loss", "temporaries": "temporaries",
-    "kv_cache": "KV cache",
+    "kv_cache": "KV cache", "inputs": "image pixels",
+    "image_embeddings": "image + text embeddings", "vision_forward": "vision tower forward",
+    "reference_model": "reference model", "reference_forward": "reference forward",
+    "reward_model": "reward model", "value_model": "value model + AdamW",
+    "value_gradients": "value model gradients", "rollout_scores": "PPO rollout scores",
 }
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..allocator import fresh_block_bytes
 from ..models.spec import ModelSpec
 from . import constants as C
+from .gemma import rms_normed_bytes, softcap_scores_bytes
 from .precision import Dtypes
 
 
@@ -36,17 +38,25 @@ class LayerPlan:
 # NewGELUActivation (gelu_new, GPT-2/Phi) = 0.5·x·(1 + tanh(√(2/π)(x + 0.044715x³)))
 # keeps x (pow), tanh's output, 1 + tanh and 0.5·x: three tensors more than a
 # fused GELU/SiLU kernel (transformers/activations.py).
-ACT_EXTRA_SAVED = {"gelu_new": 3, "gelu_fast": 3, "gelu_accurate": 3}
+ACT_EXTRA_SAVED = {"gelu_new": 3, "gelu_fast": 3, "gelu_accurate": 3,
+                   # QuickGELUActivation (CLIP, Qwen2-VL towers): x · sigmoid(1.702·x) keeps the
+                   # sigmoid's output as well
+                   "quick_gelu": 1}
+# Towers without rotary embeddings: q, k and v are views of one fused projection's output.
+# With rotary embeddings (decoders, Qwen2-VL's tower) q and k are rotated copies and v
+# stays a view of the fused output, which keeps all of it alive.
+NO_ROTARY_MODEL_TYPES = frozenset({"clip_vision", "eva2clip_vision"})
 
 
 class _Saved:
-    """Saved tensors by identity: the same tensor saved twice counts once."""
+    """Saved tensors by identity: the same tensor saved twice counts once. Each counts
+    the block the caching allocator gives it (a large tensor's segment rounding)."""
 
     def __init__(self) -> None:
         self.by_name: dict[str, float] = {}
 
     def add(self, name: str, n_bytes: float) -> None:
-        self.by_name[name] = n_bytes
+        self.by_name[name] = fresh_block_bytes(n_bytes)
 
     @property
     def total(self) -> float:
@@ -61,14 +71,14 @@ def norm_out_bytes(dt: Dtypes, norm_type: str) -> int:
 
 
 def _norm(saved: _Saved, tag: str, t: int, width: int, dt: Dtypes, plan: LayerPlan,
-          norm_type: str) -> None:
+          norm_type: str, normed_bytes: int | None = None) -> None:
     """HF RMSNorm computes in fp32: pow and mul keep the fp32 input (4 B); a
     trained weight also keeps the normalised tensor. LayerNorm keeps its
     (fp32) input plus per-row mean and rstd."""
     saved.add(f"{tag}.in_fp32", 4 * t * width)
     saved.add(f"{tag}.stats", 4 * t * 2)
     if plan.norm_trainable and norm_type == "rms":
-        saved.add(f"{tag}.normed", dt.resid_bytes * t * width)
+        saved.add(f"{tag}.normed", (normed_bytes or dt.resid_bytes) * t * width)
 
 
 def _linear_input(saved: _Saved, name: str, src: str, t: int, width: int, dt: Dtypes,
@@ -121,9 +131,12 @@ def _attention(saved: _Saved, spec: ModelSpec, b: int, s: int, dt: Dtypes,
     t = b * s
     a = dt.attn
     q, kv, nh = spec.q_dim, spec.kv_dim, spec.num_heads
-    if spec.qk_norm:  # Qwen3: RMSNorm over head_dim on q and k, fp32 inside
+    if spec.qk_norm:  # Qwen3, Gemma-3: RMSNorm over head_dim on q and k, fp32 inside
         saved.add("q_norm.in_fp32", 4 * t * q)
         saved.add("k_norm.in_fp32", 4 * t * kv)
+        if plan.norm_trainable:  # the normalised q and k, for the weight's gradient
+            saved.add("q_norm.normed", rms_normed_bytes(spec, a) * t * q)
+            saved.add("k_norm.normed", rms_normed_bytes(spec, a) * t * kv)
     if plan.attn == "eager":
         # q·kᵀ keeps q and the repeated k; softmax keeps its fp32 output; its
         # 16-bit copy is kept by probs·v together with the repeated v.
@@ -132,12 +145,14 @@ def _attention(saved: _Saved, spec: ModelSpec, b: int, s: int, dt: Dtypes,
         saved.add("attn.v_rep", a * t * q)
         saved.add("attn.probs_fp32", 4 * b * nh * s * s)
         saved.add("attn.probs", a * b * nh * s * s)
+        saved.add("attn.softcap_tanh", softcap_scores_bytes(spec, b, s, dt, plan.attn))
     else:
         # Flash / memory-efficient kernels keep q, k, v, the output and the
         # fp32 log-sum-exp (no s² matrix); GQA runs natively (enable_gqa).
         saved.add("attn.q", a * t * q)
         saved.add("attn.k", a * t * kv)
-        saved.add("attn.v", a * t * kv)
+        fused_view = spec.fused_qkv and spec.model_type not in NO_ROTARY_MODEL_TYPES
+        saved.add("attn.v", a * t * ((q + 2 * kv) if fused_view else kv))
         saved.add("attn.out", a * t * q)
         saved.add("attn.lse", C.LSE_BYTES * b * nh * s)
     # The output goes to o_proj as (b, s, heads·dim): flash/SDPA kernels already
@@ -179,17 +194,21 @@ def layer_activation_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: La
     t = b * s
     h = spec.hidden_size
     _weight_casts(saved, spec, dt, plan, moe_layer)
-    _norm(saved, "norm1", t, h, dt, plan, spec.norm_type)
+    normed = rms_normed_bytes(spec, dt.resid_bytes)
+    _norm(saved, "norm1", t, h, dt, plan, spec.norm_type, normed)
     qkv = ["qkv_proj"] if spec.fused_qkv else ["q_proj", "k_proj", "v_proj"]
     nb = norm_out_bytes(dt, spec.norm_type)
     for name in qkv:
         _linear_input(saved, name, "x_norm1", t, h, dt, plan, nb)
     _attention(saved, spec, b, s, dt, plan)
     if spec.norms_per_layer > 1:  # Phi-2's parallel block shares one norm
-        _norm(saved, "norm2", t, h, dt, plan, spec.norm_type)
+        _norm(saved, "norm2", t, h, dt, plan, spec.norm_type, normed)
         if spec.norms_per_layer >= 4:  # Gemma-2 post-attention / post-MLP norms
-            _norm(saved, "norm3", t, h, dt, plan, spec.norm_type)
-            _norm(saved, "norm4", t, h, dt, plan, spec.norm_type)
+            _norm(saved, "norm3", t, h, dt, plan, spec.norm_type, normed)
+            _norm(saved, "norm4", t, h, dt, plan, spec.norm_type, normed)
+    if spec.resid_dropout:  # Phi-2: dropout on the attention and MLP outputs keeps its masks
+        saved.add("resid_dropout.attn_mask", 1 * t * h)  # CUDA native_dropout: bool mask
+        saved.add("resid_dropout.mlp_mask", 1 * t * h)
     src = "x_norm2" if spec.norms_per_layer > 1 else "x_norm1"
     if not moe_layer:
         _mlp(saved, spec, t, spec.intermediate_size, dt, plan, src, nb, "mlp")

@@ -30,6 +30,7 @@ from ..config import RunConfig
 from ..models.spec import ModelSpec
 from ..units import GiB
 from . import constants as C
+from .gemma import softcap_logits_bytes
 from .precision import Dtypes
 from .stacks import StackEffects, stack_effects
 
@@ -74,8 +75,9 @@ def logits_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> dict[st
     shift = C.LOSS_FP32_BYTES if fx.loss.shift_copy else 0
     kept = lb if fx.keep_outputs else 0
     cast = lm_head_cast_bytes(spec, dt, fx)
-    forward = (kept + lb + copy + shift + C.LOSS_FP32_BYTES) * t * v + cast
-    backward = (kept + 3 * C.LOSS_FP32_BYTES) * t * v + cast
+    capped = softcap_logits_bytes(spec, lb, t)  # Gemma-2: the tanh output is kept
+    forward = (kept + lb + copy + shift + C.LOSS_FP32_BYTES) * t * v + cast + capped
+    backward = (kept + 3 * C.LOSS_FP32_BYTES) * t * v + cast + capped
     return {"forward": forward, "backward": backward, "held": kept * t * v}
 
 

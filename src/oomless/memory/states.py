@@ -10,9 +10,12 @@ from ..errors import ConfigError
 from ..knobs import OPTIMIZERS
 from ..models.spec import LinearSpec, ModelSpec
 from . import constants as C
+from .moe_lora import expert_adapter_params, is_fused_expert_target
 from .precision import Dtypes
 from .quantized import check_prequantized, quant_constant_bytes, quantized_weight_bytes
 from .stacks import StackEffects, stack_effects
+from .stages import score_head_param_delta
+from .vision import vision_trainable_params
 
 # Module names people write in LoRA target lists → our canonical names
 # (ChatGLM, Phi-2, GPT-2, Mixtral-legacy, InternLM spellings).
@@ -40,6 +43,8 @@ def lora_targets(spec: ModelSpec, targets: list[str] | str) -> set[str]:
         if t == "gate_up_proj" and not spec.mlp_gated:
             t = "up_proj"
         hits = {n for n in names if n == t or t in _FUSED_PARTS.get(n, ())}
+        if not hits and is_fused_expert_target(spec, raw):
+            continue  # PEFT re-targets it on the fused expert parameters (memory/moe_lora.py)
         if not hits:
             raise ConfigError(
                 f"LoRA target '{raw}' matches no linear layer of {spec.name}; "
@@ -164,10 +169,15 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     n = cfg.world_size
     targets = lora_targets(spec, cfg.lora.targets) if cfg.method != "full" else set()
     adapter = lora_params(spec, cfg.lora.r, targets) if targets else 0
-    trainable = spec.param_count if cfg.method == "full" else adapter
+    adapter += expert_adapter_params(spec, cfg)  # PEFT's ParamWrapper on fused experts
+    head_weights, head_trained = score_head_param_delta(spec, cfg)  # rm: score head, no lm_head
+    adapter += head_trained if cfg.method != "full" else 0
+    vision = vision_trainable_params(spec, cfg)  # tower adapters, or a frozen tower (full FT)
+    adapter += vision if cfg.method != "full" else 0
+    trainable = spec.param_count + head_trained + vision if cfg.method == "full" else adapter
     st.trainable_params = trainable
 
-    weights = weight_bytes(spec, cfg, dt)
+    weights = weight_bytes(spec, cfg, dt) + head_weights * dt.base_weight_bytes
     shard3 = n if cfg.zero == 3 else 1  # ZeRO-3 partitions the parameters
     shard_opt = n if cfg.zero >= 1 else 1  # ZeRO-1+ partitions optimizer states
     params_on_host = cfg.offload == "all"

@@ -16,20 +16,44 @@ from ..models.spec import ModelSpec
 from ..result import MemoryEstimate
 from . import constants as C
 from .activations import LayerPlan, layer_activation_bytes
+from .gemma import (
+    effective_attn,
+    gemma_assumptions,
+    is_sliding_layer,
+    sliding_mask_bytes,
+)
 from .loss_paths import largest_logits_block_bytes
 from .loss_paths import logits_bytes as stack_logits_bytes
+from .moe_lora import merged_expert_saved_bytes, moe_lora_assumptions
 from .overheads import finish_estimate
+from .ppo import PpoKit, ppo_phases
 from .precision import Dtypes, dtypes_for
 from .quantized import quantization_assumptions, saved_dequant_bytes, transient_dequant_bytes
 from .stacks import FP32_GROUPS_ALL, stack_assumptions, stack_effects
+from .stages import (
+    head_bytes,
+    reference_head_bytes,
+    reference_rows,
+    separate_reference_params,
+    stage_assumptions,
+    stage_plan,
+)
 from .states import States, fp32_upcast_params, lora_targets, model_states
+from .vision import (
+    image_tokens,
+    merged_input_bytes,
+    pixel_bytes,
+    tower_forward_bytes,
+    tower_plan,
+    tower_saved_bytes,
+    vision_assumptions,
+)
 
 
 def llm_seq_len(spec: ModelSpec, cfg: RunConfig) -> int:
     """Tokens per sample the language model runs on: text plus image tokens."""
     images = cfg.data.images_per_sample if spec.vision else 0
-    per_image = cfg.data.image_tokens or (spec.vision.tokens_per_image if spec.vision else 0)
-    return cfg.seq_len + images * per_image
+    return cfg.seq_len + images * image_tokens(spec, cfg)
 
 
 def layer_plan(spec: ModelSpec, cfg: RunConfig) -> LayerPlan:
@@ -44,7 +68,7 @@ def layer_plan(spec: ModelSpec, cfg: RunConfig) -> LayerPlan:
         lora_r=cfg.lora.r,
         lora_dropout=cfg.lora.dropout > 0,
         norm_trainable=full,
-        attn=cfg.attn,
+        attn=effective_attn(spec, cfg.attn),
     )
 
 
@@ -53,25 +77,34 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
     recomputation under gradient checkpointing)."""
     plan = layer_plan(spec, cfg)
     dense = _layer_bytes(spec, b, s, dt, plan, False)
-    moe = _layer_bytes(spec, b, s, dt, plan, True) if spec.is_moe else 0
+    moe = 0
+    if spec.is_moe:  # + PEFT's merged expert copies when LoRA wraps the fused experts
+        moe = _layer_bytes(spec, b, s, dt, plan, True) + merged_expert_saved_bytes(
+            spec, cfg, dt, b * s)
     n_moe = spec.num_moe_layers
-    one_layer = max(dense, moe)
+    tower = tower_saved_bytes(spec, cfg, dt)  # a trained vision tower's layers
+    one_layer = max(dense, moe, tower["one_layer"])
     t = b * s
     # Shared by all layers: RoPE cos/sin (b, s, head_dim) in the residual
     # stream's dtype; the final norm's fp32 input; lm_head's input (and its
     # autocast weight copy) when lm_head is trained.
     shared = 2 * dt.resid_bytes * t * spec.head_dim + 4 * t * spec.hidden_size
-    if cfg.method == "full":
+    # lm_head runs as a module (its input and autocast weight copy kept) unless a reward
+    # model's score head replaces it or TRL's fused head projects through its weight in tiles
+    lm_head = stage_plan(cfg).head in ("lm_loss", "full_logprobs", "kernel_logprobs")
+    if cfg.method == "full" and lm_head:
         shared += dt.act_bytes * t * spec.hidden_size
         if dt.autocast and dt.trainable_bytes != dt.act_bytes:
             shared += dt.act_bytes * spec.vocab_size * spec.hidden_size
-    elif not cfg.grad_ckpt:
+    elif not cfg.grad_ckpt and tower_plan(spec, cfg) is None:
         # Frozen embeddings: nothing before the first adapter needs a gradient,
         # so the first layer's input norm keeps nothing (with checkpointing HF
         # makes the embedding output require grad, enable_input_require_grads).
         shared -= 4 * t * spec.hidden_size + 4 * t * 2
-    if cfg.attn == "eager":
+    if effective_attn(spec, cfg.attn) == "eager":
         shared += dt.act_bytes * b * s * s  # additive causal mask (b, 1, s, s)
+    masks, mask_one = sliding_mask_bytes(spec, b, s, dt, plan.attn)
+    one_layer += mask_one
     if cfg.grad_ckpt:
         # Each layer keeps only its input (the residual stream); one layer is
         # recomputed at a time during backward (Chen et al. 2016; HF
@@ -80,10 +113,10 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
         on_gpu = 1 if stack_effects(cfg).offload_checkpoints else spec.num_layers
         layers = on_gpu * dt.resid_bytes * t * spec.hidden_size
     else:
-        layers = (spec.num_layers - n_moe) * dense + n_moe * moe
+        layers = (spec.num_layers - n_moe) * dense + n_moe * moe + masks
     # 16-bit weights a dequantize-then-matmul kernel keeps for backward (GPTQ)
     dequant = saved_dequant_bytes(spec, cfg, dt)
-    return {"layers": layers + shared + dequant["layers"],
+    return {"layers": layers + shared + tower["layers"] + dequant["layers"],
             "one_layer": one_layer + dequant["one_layer"]}
 
 
@@ -93,6 +126,18 @@ def _layer_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: LayerPlan,
     same layer for many ZeRO/optimizer variants): same arguments, same result."""
     return spec.cached(("layer_activation_bytes", b, s, dt, plan, moe_layer),
                        lambda: layer_activation_bytes(spec, b, s, dt, plan, moe_layer=moe_layer))
+
+
+def forward_transient_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> float:
+    """What the last layer's MLP holds for a moment in the forward, beyond what it saves:
+    the activation product on its way into down_proj and, when LoRA wraps down_proj under
+    autocast, PEFT's fp32 copy of it for the fp32 adapter (peft/tuners/lora/layer.py
+    ``_cast_input_dtype``). It is the forward's peak when no logits follow (reward model)."""
+    width = max(spec.intermediate_size, spec.moe_intermediate_size * spec.experts_per_token)
+    lora_down = "down_proj" in layer_plan(spec, cfg).lora
+    fp32_copy = 4 if (lora_down and dt.autocast and dt.trainable_bytes == 4) else 0
+    product = dt.act_bytes if lora_down else 0  # otherwise down_proj keeps it (saved)
+    return (fp32_copy + product) * t * width + 2 * dt.resid_bytes * t * spec.hidden_size
 
 
 def backward_transient_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> float:
@@ -133,8 +178,10 @@ def eval_forward_bytes(spec: ModelSpec, dt: Dtypes, b: int, s: int, attn: str) -
     t = b * s
     width = max(spec.intermediate_size, spec.moe_intermediate_size * spec.experts_per_token)
     layer = t * (3 * dt.mlp * width + dt.attn * (2 * spec.q_dim + 2 * spec.kv_dim))
+    attn = effective_attn(spec, attn)
     if attn == "eager":
-        layer += (4 + dt.act_bytes) * b * spec.num_heads * s * s
+        scores = 2 if spec.attn_logit_softcap else 1  # the soft-capped copy of the scores
+        layer += (4 + scores * dt.act_bytes) * b * spec.num_heads * s * s
     return layer + dt.resid_bytes * t * spec.hidden_size
 
 
@@ -143,17 +190,20 @@ def kv_cache_bytes(spec: ModelSpec, batch: int, tokens: int, elem_bytes: int) ->
     (sliding-window layers keep at most the window)."""
     per_layer_tokens = []
     for i in range(spec.num_layers):
-        windowed = spec.sliding_window and (i % spec.sliding_window_every == 0)
+        windowed = is_sliding_layer(spec, i)
         per_layer_tokens.append(min(tokens, spec.sliding_window) if windowed else tokens)
     return 2 * batch * spec.kv_dim * elem_bytes * sum(per_layer_tokens)
 
 
 def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads: dict,
             step_only: dict) -> dict[str, dict[str, int]]:
-    b, s = cfg.micro_batch_size, llm_seq_len(spec, cfg)
+    plan = stage_plan(cfg)  # rm/dpo/kto/orpo/simpo: rows per sample, head, reference
+    b, s = cfg.micro_batch_size * plan.rows, llm_seq_len(spec, cfg)
     t = b * s
     acts = saved_activation_bytes(spec, cfg, dt, b, s)
-    logits = stack_logits_bytes(spec, cfg, dt, t)
+    head = head_bytes(spec, cfg, dt, plan, cfg.micro_batch_size, s)
+    logits = stack_logits_bytes(spec, cfg, dt, t) if head is None else {
+        "forward": head["forward_peak"], "backward": head["backward"], "held": 0}
     transient = backward_transient_bytes(spec, cfg, dt, t)
     recompute = acts["one_layer"] if cfg.grad_ckpt else 0
     fwd_grads = grads if cfg.grad_accum > 1 else {}
@@ -162,7 +212,20 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
     held = {"logits": logits["held"]} if logits["held"] else {}
     phases: dict[str, dict[str, int]] = {}
     phases["forward"] = {**persistent, **fwd_grads, "activations": acts["layers"],
-                         "logits": logits["forward"]}
+                         "logits": logits["forward"],
+                         "image_embeddings": merged_input_bytes(spec, cfg, dt, t)}
+    in_layer = {**persistent, **fwd_grads, "activations": acts["layers"],
+                "temporaries": forward_transient_bytes(spec, cfg, dt, t)}
+    phases["forward"] = max(phases["forward"], in_layer, key=lambda d: sum(d.values()))
+    # a frozen vision tower's forward runs before the language model's: its own peak
+    vision = {**persistent, **fwd_grads, "vision_forward": tower_forward_bytes(spec, cfg, dt)}
+    phases["forward"] = max(phases["forward"], vision, key=lambda d: sum(d.values()))
+    ref_rows = reference_rows(cfg, plan)
+    if ref_rows:  # the reference's no-grad forward, after the policy's, on the same rows
+        ref = {**persistent, **fwd_grads, "activations": acts["layers"], "logits": head["saved"],
+               "reference_forward": eval_forward_bytes(spec, dt, ref_rows, s, cfg.attn)
+               + reference_head_bytes(spec, cfg, dt, plan, ref_rows, s)}
+        phases["forward"] = max(phases["forward"], ref, key=lambda d: sum(d.values()))
     start = {**persistent, **fwd_grads, "activations": acts["layers"],
              "logits": logits["backward"]}
     in_layers = {**persistent, **fwd_grads, **held, "activations": acts["layers"] + recompute,
@@ -179,7 +242,7 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
     if setup:
         phases["setup"] = setup
     if cfg.eval.batch_size or cfg.eval.steps or cfg.eval.predict_with_generate:
-        eb = cfg.eval_batch_size
+        eb = cfg.eval_batch_size * plan.rows
         ev = eval_forward_bytes(spec, dt, eb, s, cfg.attn)
         ev_logits = stack_logits_bytes(spec, cfg, dt, eb * s)
         phases["evaluation"] = {**persistent, "activations": ev,
@@ -251,11 +314,21 @@ def training_phases(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = N
     step_only = {k: gpu_state.pop(k) for k in ("grad_partition_fp32",) if k in gpu_state}
     cap = cluster.gpu.compute_capability if cluster else "9.0"
     gpu_state["cublas_workspace"] = C.cublas_workspace_bytes(cap)
+    if pixel_bytes(spec, cfg):  # the images' fp32 pixel tensors, on the GPU for the step
+        gpu_state["inputs"] = round(pixel_bytes(spec, cfg))
+    ref_params = separate_reference_params(spec, cfg)  # dpo/kto full FT: a frozen copy
+    if ref_params:
+        gpu_state["reference_model"] = round(ref_params * dt.base_weight_bytes)
+    if cfg.stage == "ppo":  # four models, rollout and update (memory/ppo.py)
+        kit = PpoKit(saved_activation_bytes, eval_forward_bytes)
+        return ppo_phases(spec, cfg, dt, gpu_state, grads, step_only, kit,
+                          llm_seq_len(spec, cfg)), gpu_state, st
     return _phases(spec, cfg, dt, gpu_state, grads, step_only), gpu_state, st
 
 
 def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
-    out = list(getattr(spec, "assumptions", ())) + stack_assumptions(cfg) + [
+    out = (list(getattr(spec, "assumptions", ())) + stack_assumptions(cfg)
+           + gemma_assumptions(spec, cfg.attn)) + [
         "steady state: optimizer states exist (step ≥ 2); gradients are freed by "
         "zero_grad(set_to_none=True) after each optimizer step",
         "AdamW is torch's fused implementation (transformers' default adamw_torch_fused): "
@@ -268,24 +341,14 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     if cfg.method != "full":
         out.append("LoRA adapters in fp32 (PEFT autocast_adapter_dtype) under bf16/fp16 autocast")
     out += quantization_assumptions(spec, cfg)
-    if spec.vision:
-        out.append(
-            "vision tower frozen and run without gradients (LLaMA-Factory's default "
-            "freeze_vision_tower); image tokens are added to seq_len"
-        )
+    out += vision_assumptions(spec, cfg)
     if spec.is_moe:
         out.append(
             f"MoE: every token visits {spec.experts_per_token} experts; expert "
             "activations as a dense MLP over tokens × experts_per_token rows, "
             "routing assumed balanced"
         )
-    if spec.is_moe and cfg.method != "full" and cfg.lora.targets == "all-linear":
-        out.append(
-            "NOT MODELLED: with transformers ≥ 5 and PEFT 0.21, LoRA 'all-linear' also wraps "
-            "fused expert weights (Mixtral, Qwen3-MoE) and keeps a merged copy of every "
-            "expert weight per layer for backward; `oomless trace` measures it (Mixtral-8x7B "
-            "at 512 tokens: about 2× this estimate). List attention modules as targets to avoid it"
-        )
+    out += moe_lora_assumptions(spec, cfg) + stage_assumptions(spec, cfg)
     if cfg.eval.predict_with_generate:
         out.append("generation: HF generate with a dynamic KV cache in the activation dtype")
     return out

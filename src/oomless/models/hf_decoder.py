@@ -8,7 +8,7 @@ fields are checked against transformers' meta-device models for every catalog
 entry (tests/test_catalog_params.py).
 
 Families: dense decoders (llama, mistral, qwen2, qwen3, gemma, gemma2, phi,
-phi3, glm, glm4; other model types are read as llama-style decoders and say
+phi3, glm, glm4, gemma3_text; other model types are read as llama-style decoders and say
 so in ``ModelSpec.assumptions``), mixture-of-experts (mixtral, qwen2_moe,
 qwen3_moe) and ChatGLM/GLM-4 (``chatglm``). Vision towers are read in
 :mod:`oomless.models.hf_vision`; :mod:`oomless.models.hf_config` picks the reader.
@@ -131,7 +131,12 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "qwen2": {"tie": False, "bias": "qkv_always"},  # Qwen2Attention: q/k/v bias=True, o_proj none
     "qwen3": {"tie": False, "qk_norm": True},  # Qwen3Attention: q_norm/k_norm over head_dim
     "gemma": {"tie": True},
-    "gemma2": {"tie": True, "norms": 4, "sliding_every": 2},  # pre/post attn + pre/post ffw norms
+    # pre/post attn + pre/post ffw norms; Gemma2PreTrainedModel._supports_sdpa = False (SDPA
+    # cannot soft-cap the scores), so transformers runs it eager unless flash is asked for
+    "gemma2": {"tie": True, "norms": 4, "sliding_every": 2, "no_sdpa": True,
+               "softcap": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}},
+    # Gemma3TextConfig: q_norm/k_norm, 4 norms per layer, 5 sliding layers of 6, no soft-capping
+    "gemma3_text": {"tie": True, "norms": 4, "qk_norm": True, "sliding_every": 6},
     "phi3": {"tie": False, "fused_qkv": True, "fused_gate_up": True},
     "phi": {"tie": False, "plain_mlp": True, "norm": "layer", "norms": 1, "bias": "always"},
     "glm": {"tie": False, "fused_gate_up": True, "bias": "qkv"},  # GlmAttention: o_proj bias=False
@@ -167,6 +172,14 @@ def _attention(f: ConfigFields, fam: dict[str, Any]) -> dict[str, Any]:
         "fused_qkv": fam.get("fused_qkv", False),
         "qk_norm": fam.get("qk_norm", False) or bool(f.get("use_qk_norm", False)),
     }
+
+
+def _softcap(f: ConfigFields, fam: dict[str, Any], key: str) -> bool:
+    """Whether soft-capping is on: the config's value (null switches it off), else the
+    config class's default (Gemma2Config: 50.0 on attention, 30.0 on the logits)."""
+    if key in f.config:
+        return f.config[key] is not None
+    return fam.get("softcap", {}).get(key) is not None
 
 
 def _sliding_window(f: ConfigFields, model_type: str) -> int | None:
@@ -260,6 +273,10 @@ def decoder_spec(f: ConfigFields, name: str, model_type: str | None = None) -> M
         max_position_embeddings=int(f.get("max_position_embeddings") or 4096),
         sliding_window=window,
         sliding_window_every=fam.get("sliding_every", 1) if window else 1,
+        attn_logit_softcap=_softcap(f, fam, "attn_logit_softcapping"),
+        final_logit_softcap=_softcap(f, fam, "final_logit_softcapping"),
+        sdpa_supported=not fam.get("no_sdpa", False),
+        resid_dropout=float(f.get("resid_pdrop") or 0.0) > 0,  # PhiDecoderLayer.resid_dropout
         dtype=_dtype(f),
         **_attention(f, fam),
         **moe,

@@ -109,6 +109,9 @@ def llava_spec(f: ConfigFields, name: str) -> ModelSpec:
         param_count=tower + projector,
         projector_params=projector,
         kind="clip",
+        hidden_act=str(vision.get("hidden_act", "quick_gelu")),  # CLIPVisionConfig default
+        fused_qkv=False,
+        class_token=True,
     )
     return replace(spec, model_type="llava", architecture=_arch(f), vision=vision_spec)
 
@@ -192,6 +195,10 @@ def qwen2_vl_spec(f: ConfigFields, name: str, model_type: str) -> ModelSpec:
         mlp_gated=facts["mlp_gated"],
         kind=model_type,
         dynamic_resolution=True,
+        # Qwen2VLVisionConfig hidden_act quick_gelu, LayerNorm; Qwen2.5-VL silu, RMSNorm
+        hidden_act=str(vision.get("hidden_act") or "quick_gelu"),
+        norm_type="rms" if model_type == "qwen2_5_vl" else "layer",
+        merge_size=facts["merge"],
     )
     note = (f"{model_type} has dynamic image resolution: assumed {image}x{image} images "
             f"({vision_spec.tokens_per_image} tokens each)")
@@ -232,6 +239,9 @@ def glm4v_vision(f: ConfigFields, text: ModelSpec) -> VisionSpec:
         param_count=embed + layers * per_layer + projector,
         projector_params=projector,
         kind="eva2clip",
+        hidden_act=str(v.get("hidden_act", "gelu")),
+        class_token=True,
+        merge_size=2,  # the stride-2 conv folds 2×2 patches into one token
     )
 
 
@@ -283,6 +293,7 @@ def moe_llava_spec(f: ConfigFields, name: str, model_type: str) -> ModelSpec:
         intermediate_size=facts["intermediate_size"], patch_size=facts["patch_size"],
         image_size=facts["image_size"], tokens_per_image=facts["patches"],  # CLS dropped ("patch")
         param_count=tower + projector, projector_params=projector, kind="clip",
+        hidden_act="quick_gelu", fused_qkv=False, class_token=True,
     )
     notes.append(f"vision tower {tower_name}: shapes from its released config.json")
     return replace(spec, vision=vision, assumptions=tuple(notes))

@@ -64,6 +64,12 @@ class VisionSpec:
     projector_params: int = 0  # the part of param_count that maps vision features into the LM
     kind: str = "vit"  # clip, qwen2_5_vl, qwen2_vl, eva2clip (GLM-4V): which tower layout
     dynamic_resolution: bool = False  # Qwen2-VL family: tokens grow with the image; image_size is a default
+    # layer facts the activation model needs (memory/vision.py)
+    hidden_act: str = "gelu"  # CLIP and Qwen2-VL: quick_gelu; Qwen2.5-VL: silu (gated)
+    norm_type: str = "layer"  # Qwen2.5-VL: rms
+    fused_qkv: bool = True  # CLIP: separate q/k/v projections
+    class_token: bool = False  # CLIP, EVA2-CLIP: a class token before the patches
+    merge_size: int = 1  # Qwen2-VL: 2×2 patches merge into one language-model token
 
     @property
     def patches_per_image(self) -> int:
@@ -99,6 +105,11 @@ class ModelSpec:
     max_position_embeddings: int = 4096
     sliding_window: int | None = None
     sliding_window_every: int = 1  # 1: every layer; 2: every second layer (Gemma-2)
+    # Gemma-2 soft-capping: tanh(x / cap) · cap on the attention scores and on the logits
+    attn_logit_softcap: bool = False
+    final_logit_softcap: bool = False
+    sdpa_supported: bool = True  # transformers has an SDPA path for this class (Gemma-2: no)
+    resid_dropout: bool = False  # dropout on the attention and MLP outputs in training (Phi-2)
     # Mixture of experts (0 experts: dense)
     num_experts: int = 0
     experts_per_token: int = 0

@@ -137,6 +137,11 @@ def _model_class(config: Any) -> Any:
     )
 
 
+def _supports_sdpa(config: Any) -> bool:
+    auto = _model_class(config)
+    return bool(getattr(auto._model_mapping[type(config)], "_supports_sdpa", True))
+
+
 # ---- building ---------------------------------------------------------------------------
 def attn_implementation(cfg: RunConfig) -> tuple[str, str | None]:
     """transformers attn_implementation, and a note when it stands in for another."""
@@ -149,6 +154,10 @@ def attn_implementation(cfg: RunConfig) -> tuple[str, str | None]:
 
 
 TRACE_SDPA = "oomless_sdpa"
+# FlashAttention-2 stand-in for classes without an SDPA path (Gemma-2): the same kernel under a
+# name transformers does not check against ``_supports_sdpa`` (FA2 soft-caps inside the kernel
+# and keeps the same output + log-sum-exp, so the extra tanh of eager attention is not there)
+TRACE_FLASH_STANDIN = "oomless_fa2_standin"
 
 
 def _unpadded_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
@@ -159,12 +168,16 @@ def _unpadded_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
     that SDPA runs its causal flash kernel. Fake tensors have no values, so
     transformers treats them as a graph being traced and builds the full
     [b, 1, s, s] mask. This mask function answers as the real batch would: no
-    mask unless a sliding window or a custom pattern needs one.
+    mask unless a sliding window or a custom pattern needs one. An attention mask
+    of all ones (a trainer's batch, traced with full-batch values) is no padding.
     """
     from transformers.masking_utils import sdpa_mask
 
+    from .trace.data_emulation import full_batch_active
+
     local = kwargs.get("local_size")
-    if (kwargs.get("attention_mask") is None and not kwargs.get("use_vmap")
+    no_padding = kwargs.get("attention_mask") is None or full_batch_active()
+    if (no_padding and not kwargs.get("use_vmap")
             and (local is None or kwargs["kv_length"] < local)):
         return None
     return sdpa_mask(*args, **kwargs)
@@ -175,12 +188,25 @@ def _register_trace_attention() -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     AttentionInterface.register(TRACE_SDPA, sdpa_attention_forward)
-    AttentionMaskInterface.register(TRACE_SDPA, _unpadded_sdpa_mask)
+    AttentionInterface.register(TRACE_FLASH_STANDIN, _flash_standin)
+    for name in (TRACE_SDPA, TRACE_FLASH_STANDIN):
+        AttentionMaskInterface.register(name, _unpadded_sdpa_mask)
+
+
+def _flash_standin(*args: Any, softcap: Any = None, **kwargs: Any) -> Any:
+    """SDPA in place of FlashAttention-2, which applies ``softcap`` inside the kernel."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(*args, **kwargs)
 
 
 def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake",
-                device: str = "cpu", num_layers: int | None = None) -> BuiltModel:
-    """The model of ``cfg`` from ``hf_config``; ``mode`` "fake" or "real" (see module doc)."""
+                device: str = "cpu", num_layers: int | None = None,
+                sequence_classification: bool = False, frozen: bool = False) -> BuiltModel:
+    """The model of ``cfg`` from ``hf_config``; ``mode`` "fake" or "real" (see module doc).
+    ``sequence_classification``: the model with a one-value score head instead of lm_head
+    (a reward or value model); ``frozen``: no adapters, nothing trainable (a reference or
+    reward model)."""
     if cfg.zero or cfg.offload != "none":
         raise TraceUnsupported("DeepSpeed ZeRO sharding and offload are not traced (one process)")
     if cfg.method == "qlora" and cfg.quantization.bits != 4:
@@ -198,14 +224,31 @@ def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake"
     config = transformers_config(hf_config)
     attn, note = attn_implementation(cfg)
     notes = [note] if note else []
+    if cfg.attn == "sdpa" and not _supports_sdpa(config):
+        # what transformers itself does when no kernel is asked for (Gemma-2: SDPA cannot
+        # soft-cap the scores, so the class declares no SDPA path)
+        attn = "eager"
+        notes.append(f"{config.model_type} has no SDPA path in transformers: traced with eager "
+                     "attention, which is what it runs")
     if mode == "fake" and attn == "sdpa":
         _register_trace_attention()
-        attn = TRACE_SDPA
+        attn = TRACE_SDPA if _supports_sdpa(config) else TRACE_FLASH_STANDIN
     where = torch.device("meta") if mode == "fake" else torch.device(device)
     try:
         with where:
-            model = _model_class(config).from_config(config, dtype=base_dtype(cfg),
-                                                     attn_implementation=attn)
+            if sequence_classification:
+                from transformers import AutoModelForSequenceClassification
+
+                config.num_labels = 1
+                if getattr(config.get_text_config(), "pad_token_id", None) is None:
+                    # the score is read at each row's last non-pad token; TRL sets the
+                    # tokenizer's pad token (any id will do for a full-length batch)
+                    config.get_text_config().pad_token_id = 0
+                model = AutoModelForSequenceClassification.from_config(
+                    config, dtype=base_dtype(cfg), attn_implementation=attn)
+            else:
+                model = _model_class(config).from_config(config, dtype=base_dtype(cfg),
+                                                         attn_implementation=attn)
     except ValueError as err:  # e.g. an attention implementation the class does not support
         raise TraceUnsupported(f"transformers cannot build this model: {err}") from None
     model.config.use_cache = False
@@ -214,17 +257,30 @@ def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake"
         _replace_with_4bit(model, cfg)
         if mode != "fake":
             _quantize_4bit(model, cfg, None, device)
-    if cfg.grad_ckpt:
+    if cfg.grad_ckpt and not frozen:
         model.activation_checkpointing_enable()
+    if frozen:
+        model.requires_grad_(False)
+        model.eval()
+        return _finish(model, cfg, mode, hf_config, notes)
     from .trace.stacks import after_lora, prepare_base_model
 
     notes += prepare_base_model(model, cfg)  # the training stack's casts and hooks
-    if cfg.method in ("lora", "qlora"):
+    if cfg.method == "full" and _is_vlm(model):
+        from .trace.vision_inputs import freeze_vision
+
+        freeze_vision(model, cfg)
+    elif cfg.method in ("lora", "qlora"):
         # fake mode: adapters are created on the meta device like the base weights
         # (PEFT would otherwise initialise them for real on the CPU, which is slow)
         with torch.device("meta") if mode == "fake" else contextlib.nullcontext():
-            model = _apply_lora(model, cfg)
+            model = _apply_lora(model, cfg, "SEQ_CLS" if sequence_classification else "CAUSAL_LM")
     notes += after_lora(model, cfg)
+    return _finish(model, cfg, mode, hf_config, notes)
+
+
+def _finish(model: Any, cfg: RunConfig, mode: str, hf_config: dict, notes: list[str]) -> BuiltModel:
+    """Fake mode: the quantized weights and every parameter become fake tensors."""
     if mode == "fake":
         if cfg.method == "qlora":
             _quantize_4bit(model, cfg, _fake_mode(), "cpu")
@@ -233,16 +289,27 @@ def build_model(hf_config: dict[str, Any], cfg: RunConfig, *, mode: str = "fake"
                       num_layers_of(hf_config), notes)
 
 
-def _apply_lora(model: Any, cfg: RunConfig) -> Any:
+def _is_vlm(model: Any) -> bool:
+    from .trace.vision_inputs import is_vlm
+
+    return is_vlm(model)
+
+
+def _apply_lora(model: Any, cfg: RunConfig, task_type: str = "CAUSAL_LM") -> Any:
     from peft import LoraConfig, get_peft_model
 
     targets = cfg.lora.targets
+    modules = targets if targets == "all-linear" else list(targets)
+    if _is_vlm(model):  # the language model's linears (and the tower's when unfrozen)
+        from .trace.vision_inputs import lora_target_modules
+
+        modules = lora_target_modules(model, cfg)
     lora = LoraConfig(
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
-        target_modules=targets if targets == "all-linear" else list(targets),
-        task_type="CAUSAL_LM",
+        target_modules=modules,
+        task_type=task_type,
     )
     try:
         return get_peft_model(model, lora)

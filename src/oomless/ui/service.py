@@ -220,21 +220,14 @@ def estimate_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
 
 
 def verdict_of(est) -> dict[str, Any]:
-    """The fit verdict and its band, as the page draws them.
-
-    MemoryEstimate says fits / does not fit today; the page also draws a "tight"
-    state and a low–high band around the peak: the estimate's three-valued
-    verdict and band connect here when the estimate carries them.
-    """
+    """The estimate's three-valued fit verdict (fits / tight / out of memory, from its
+    uncertainty band: memory/band.py) and the band, as the page draws them."""
     from rich.text import Text
 
     from ..cli._render import verdict
 
-    if est.fits is None:
-        state = None
-    else:
-        state = "fits" if est.fits else "out-of-memory"
-    return {"state": state, "low_bytes": None, "high_bytes": None,
+    state = None if est.verdict is None else est.verdict.replace(" ", "-")
+    return {"state": state, "low_bytes": est.low_bytes, "high_bytes": est.high_bytes,
             "text": Text.from_markup(verdict(est)).plain}
 
 

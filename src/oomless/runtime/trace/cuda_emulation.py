@@ -24,10 +24,16 @@ kept, for workspaces), with the sizes the CUDA code uses:
   dequantized to a [N, K] 16-bit temporary (the custom kernel's shape
   heuristics vary by GPU; we take the fallback, which needs more), plus fp32
   absmax buffers for double quantization.
+
+``cuda_autocast_layer_norm`` makes LayerNorm compute in fp32 under autocast, as
+CUDA autocast does and CPU autocast does not; ``cuda_dropout`` makes training
+dropout the fused ``native_dropout`` kernel CUDA runs (a boolean mask kept for
+backward; the CPU path multiplies by a mask of the input's dtype).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,3 +120,51 @@ class CudaEmulation:
         n, k = int(shape_b[0]), int(shape_b[1])
         keys.append(tracker.phantom_alloc(n * k * a.element_size(), "bnb.dequantized_weight"))
         return keys
+
+
+@contextlib.contextmanager
+def cuda_autocast_layer_norm() -> Any:
+    """CUDA autocast runs ``layer_norm`` in fp32 (its fp32 op list): 16-bit inputs and
+    weights are cast up and the output is fp32. CPU autocast, which a trace runs
+    under, leaves it in 16 bits; inside the trace ``F.layer_norm`` does what CUDA does."""
+    import torch.nn.functional as F
+
+    original = F.layer_norm
+
+    def layer_norm(input: torch.Tensor, normalized_shape: Any, weight: Any = None,
+                   bias: Any = None, eps: float = 1e-5) -> torch.Tensor:
+        device = input.device.type
+        if input.dtype in (torch.bfloat16, torch.float16) and torch.is_autocast_enabled(device):
+            def up(t: Any) -> Any:
+                return t.float() if t is not None else None
+
+            with torch.autocast(device, enabled=False):
+                return original(input.float(), normalized_shape, up(weight), up(bias), eps)
+        return original(input, normalized_shape, weight, bias, eps)
+
+    F.layer_norm = layer_norm
+    try:
+        yield
+    finally:
+        F.layer_norm = original
+
+
+@contextlib.contextmanager
+def cuda_dropout() -> Any:
+    """``F.dropout`` in training as on CUDA (aten ``dropout``: the fused ``native_dropout``
+    whenever the input is on CUDA and 0 < p < 1), which keeps a 1-byte mask."""
+    import torch.nn.functional as F
+
+    original = F.dropout
+
+    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True,
+                inplace: bool = False) -> torch.Tensor:
+        if training and 0 < p < 1 and not inplace and input.numel():
+            return torch.native_dropout(input, p, True)[0]
+        return original(input, p, training, inplace)
+
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = original

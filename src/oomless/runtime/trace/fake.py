@@ -20,6 +20,7 @@ against full traces.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -121,10 +122,13 @@ def trace_training(cfg: RunConfig, cluster: Cluster | None = None, *, resolved: 
     try:
         from ...memory.training import llm_seq_len
 
-        plan = plan_layers(resolved.hf_config, full)
+        # the other models' layers (reference, reward, value) are not the policy's: layer
+        # expansion cannot repeat them, and where the step peaks moves with the depth, so
+        # those steps are traced at full depth
+        plan = plan_layers(resolved.hf_config, full or _other_models(cfg))
         seq = llm_seq_len(spec, cfg)  # image tokens join the text (vision tower not run)
         runs = [trace_once(resolved.hf_config, cfg, cluster, plan, alloc_config,
-                           timeline_points, seq_len=seq)]
+                           timeline_points, seq_len=seq, spec=spec)]
     except TraceUnsupported as err:
         return analytic_fallback(spec, cfg, cluster, str(err), alloc_config)
     except TraceFailed as err:
@@ -132,10 +136,17 @@ def trace_training(cfg: RunConfig, cluster: Cluster | None = None, *, resolved: 
                                  f"'{err.module or '(outside any module)'}': {err}", alloc_config)
     except ExpansionError as err:  # layers that do not repeat cleanly: extrapolate
         runs = [trace_once(resolved.hf_config, cfg, cluster, LayerPlan(n), alloc_config,
-                           timeline_points, seq_len=seq) for n in plan.linear_counts()]
+                           timeline_points, seq_len=seq, spec=spec) for n in plan.linear_counts()]
         runs[-1].notes.append(f"layer expansion not possible ({err}): allocated bytes "
                               "extrapolated linearly (exact), reserved bytes approximately")
     return _estimate(spec, cfg, cluster, runs, plan, time.perf_counter() - started)
+
+
+def _other_models(cfg: RunConfig) -> bool:
+    """Whether the step runs models besides the policy (a separate reference, PPO)."""
+    from ...memory.stages import stage_plan
+
+    return cfg.stage == "ppo" or stage_plan(cfg).reference == "separate"
 
 
 def analytic_fallback(spec: Any, cfg: RunConfig, cluster: Cluster | None, reason: str,
@@ -158,23 +169,40 @@ def _cublas_bytes(cluster: Cluster | None) -> int:
 
 def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | None,
                plan: LayerPlan | int, alloc_config: AllocatorConfig,
-               timeline_points: int = 800, seq_len: int | None = None) -> TraceStats:
+               timeline_points: int = 800, seq_len: int | None = None,
+               spec: Any = None) -> TraceStats:
     """Trace ``plan.traced`` layers and analyse the stream of ``plan.total`` layers."""
     from ..build import fake_mode
     from .cuda_emulation import CudaEmulation
-    from .hf_step import make_batch
+    from .stage_trainers import TRAINER_STAGES, traced_stage, triton_kernel_emulation
+    from .vision_inputs import is_vlm, small_constants
 
     plan = LayerPlan(plan) if isinstance(plan, int) else plan
-    built = build_model(hf_config, cfg, mode="fake", num_layers=plan.traced)
+    built = build_model(hf_config, cfg, mode="fake", num_layers=plan.traced,
+                        sequence_classification=cfg.stage == "rm")
     model = built.model
     fake = fake_mode()
     seq = seq_len or cfg.seq_len
-    with fake:
-        batch = make_batch(model, cfg.micro_batch_size, seq, "cpu")
-        eval_batch = make_batch(model, cfg.eval_batch_size, seq, "cpu") if _wants_eval(cfg) else None
-    tracker = run_tracked(model, cfg, batch, eval_batch, device_type="cpu", fake=fake,
-                          num_layers=plan.traced,
-                          emulation=CudaEmulation(cublas_bytes=_cublas_bytes(cluster)))
+    stage = traced_stage(cfg, hf_config, model, plan.traced, seq, fake) \
+        if cfg.stage in TRAINER_STAGES else None
+    images = spec is not None and spec.vision is not None and cfg.data.images_per_sample > 0 \
+        and is_vlm(model) and not stage
+    with fake, small_constants() if images else contextlib.nullcontext():
+        batch = stage.batch if stage else _batch(model, spec, cfg, cfg.micro_batch_size, seq, images)
+        eval_batch = _batch(model, spec, cfg, cfg.eval_batch_size, seq, images) \
+            if _wants_eval(cfg) and not stage else None
+    emulations = triton_kernel_emulation() if stage else small_constants() if images else \
+        contextlib.nullcontext()
+    with emulations:
+        tracker = run_tracked(stage.model if stage else model, cfg, batch, eval_batch,
+                              device_type="cpu", fake=fake, num_layers=plan.traced,
+                              emulation=CudaEmulation(cublas_bytes=_cublas_bytes(cluster)),
+                              loss_fn=stage.loss_fn if stage else None,
+                              frozen_models=stage.frozen_models if stage else (),
+                              full_batch_values=stage is not None or images,
+                              step_hooks=stage.step_hooks if stage else (None, None))
+    if stage:
+        built.notes.extend(stage.notes)
     params, trainable = built.param_count, built.trainable_params
     if plan.full:
         stream = stream_of(tracker)
@@ -189,6 +217,14 @@ def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | Non
     stats.traced_layers = plan.traced
     stats.notes.extend(built.notes)
     return stats
+
+
+def _batch(model: Any, spec: Any, cfg: RunConfig, b: int, seq: int, images: bool) -> dict:
+    """A micro batch: token ids, and for a vision-language model its images."""
+    from .hf_step import make_batch
+    from .vision_inputs import vision_batch
+
+    return vision_batch(model, spec, cfg, b, seq) if images else make_batch(model, b, seq, "cpu")
 
 
 def _block_params(model: Any, num_layers: int, block: set[int]) -> tuple[int, int]:
@@ -248,8 +284,8 @@ def _assumptions(cfg: RunConfig, runs: list[TraceStats], plan: LayerPlan | None)
         out.append("paged optimizer states live in CUDA unified memory, outside the "
                    "caching allocator: reported as paged_optimizer_bytes, not counted")
     if cfg.data.images_per_sample:
-        out.append("images: the vision tower is not run; the language model sees the image "
-                   "tokens as extra sequence positions (seq_len + images × tokens per image)")
+        out.append("images: the vision tower runs on the processor's pixel tensors and its "
+                   "features fill the image tokens (seq_len + images × tokens per image)")
     if cfg.eval.predict_with_generate and cfg.eval.max_new_tokens:
         out.append("generation during evaluation is not traced (it stops on data): its KV "
                    "cache, activations and logits come from the analytic model, on top of "

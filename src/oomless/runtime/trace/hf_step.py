@@ -73,20 +73,31 @@ def training_forward(model: torch.nn.Module, cfg: RunConfig) -> Callable[..., An
     return convert_outputs_to_fp32(model.forward)
 
 
+LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+
+
 def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Tensor], *,
               device_type: str, iterations: int = 2,
               on_phase: Callable[[str, int], None] = _noop,
               on_grads: Callable[[list[torch.nn.Parameter]], None] | None = None,
               on_states: Callable[[Any], None] | None = None,
-              eval_batch: dict[str, torch.Tensor] | None = None) -> list[float]:
+              eval_batch: dict[str, torch.Tensor] | None = None,
+              loss_fn: LossFn | None = None,
+              before_step: Callable[[int], None] | None = None,
+              after_step: Callable[[int], None] | None = None) -> list[float]:
     """``iterations`` optimizer steps; returns the losses. ``on_grads`` gets the trained
-    parameters after backward, ``on_states`` the optimizer after its step."""
+    parameters after backward, ``on_states`` the optimizer after its step. ``loss_fn``:
+    a trainer's loss on (model, batch) in place of the causal-LM loss (training stages);
+    ``before_step``/``after_step``: what a trainer does around each optimizer step (PPO's
+    rollout before, its statistics after)."""
     from .stacks import step_context
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, device_type)
     scaler = torch.amp.GradScaler(device_type) if cfg.precision == "fp16" else None
     forward = training_forward(model, cfg)
+    if loss_fn is not None:
+        forward = _trainer_loss(model, cfg, loss_fn)
     losses: list[float] = []
     held: list[Any] = []  # outputs a stack keeps until its next forward (stacks.py)
     # with gradient accumulation, a second micro batch runs while the first one's
@@ -94,6 +105,8 @@ def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Ten
     micro_batches = min(cfg.grad_accum, 2)
     with step_context(cfg):
         for it in range(iterations):
+            if before_step:
+                before_step(it)
             for _ in range(micro_batches):
                 losses.append(_micro_step(forward, batch, cfg, device_type, scaler, on_phase,
                                           it, held))
@@ -104,10 +117,30 @@ def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Ten
             if on_states:
                 on_states(optimizer)
             optimizer.zero_grad(set_to_none=True)
+            if after_step:
+                after_step(it)
         if eval_batch is not None:
             on_phase("evaluation", iterations)
             evaluate(model, cfg, eval_batch, device_type)
     return losses
+
+
+def _trainer_loss(model: torch.nn.Module, cfg: RunConfig, loss_fn: LossFn) -> Callable[..., Any]:
+    """A forward that returns the trainer's loss as ``outputs.loss``; the model's own
+    forward is wrapped as accelerate's prepare_model does for mixed precision."""
+    from types import SimpleNamespace
+
+    if autocast_dtype(cfg) is not None and not getattr(model, "_oomless_fp32_outputs", False):
+        from accelerate.utils import convert_outputs_to_fp32
+
+        model.forward = convert_outputs_to_fp32(model.forward)
+        model._oomless_fp32_outputs = True
+
+    def forward(**batch: Any) -> Any:
+        return SimpleNamespace(loss=loss_fn(model, batch))
+
+    forward.computes_trainer_loss = True  # type: ignore[attr-defined]  # the stack's loss is in it
+    return forward
 
 
 def _micro_step(forward: Callable[..., Any], batch: dict[str, torch.Tensor], cfg: RunConfig,
@@ -116,12 +149,15 @@ def _micro_step(forward: Callable[..., Any], batch: dict[str, torch.Tensor], cfg
     """Forward (autocast) and backward of one micro batch; the loss, detached. The
     stack computes the loss (stacks.stack_loss); a stack that keeps its outputs holds
     them in ``held`` until the next forward has returned."""
-    from .stacks import keeps_outputs, stack_loss
+    from .stacks import keeps_outputs, model_loss, stack_loss
 
     ac = autocast_dtype(cfg)
     on_phase("forward", iteration)
     with torch.autocast(device_type, dtype=ac or torch.bfloat16, enabled=ac is not None):
-        loss, outputs = stack_loss(cfg)(forward, batch)
+        if getattr(forward, "computes_trainer_loss", False):  # a training stage's loss
+            loss, outputs = model_loss(forward, batch)
+        else:
+            loss, outputs = stack_loss(cfg)(forward, batch)
     held.clear()
     if keeps_outputs(cfg):
         held.append(outputs)

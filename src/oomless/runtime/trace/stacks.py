@@ -152,10 +152,10 @@ def stack_loss(cfg: RunConfig) -> Callable[[Any, dict[str, torch.Tensor]], tuple
     """(model, batch) → (loss, outputs) as the stack's compute_loss does it."""
     if stack_effects(cfg).fused_loss == "trl":
         return _trl_fused_loss
-    return _model_loss
+    return model_loss
 
 
-def _model_loss(forward: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+def model_loss(forward: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any]:
     outputs = forward(**batch)
     return outputs.loss, outputs
 

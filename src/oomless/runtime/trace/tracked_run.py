@@ -123,12 +123,24 @@ class _Callbacks:
             self.tracker.set_owner(tensors, self.owner.get(id(p), -1))
 
 
+def _with_phases(hook: Any, on_phase: Any) -> Any:
+    return None if hook is None else (lambda it: hook(it, on_phase))
+
+
 def run_tracked(model: Any, cfg: RunConfig, batch: dict, eval_batch: dict | None, *,
                 device_type: str, num_layers: int, fake: Any = None, emulation: Any = None,
-                iterations: int = 2) -> Any:
-    """Run the training steps under a StorageTracker and return it."""
+                iterations: int = 2, loss_fn: Any = None, frozen_models: tuple = (),
+                full_batch_values: bool = False, step_hooks: tuple = (None, None)) -> Any:
+    """Run the training steps under a StorageTracker and return it.
+
+    ``loss_fn``: a trainer's loss in place of the causal-LM loss; ``frozen_models``: other
+    models the step holds (a reference or reward model), tracked as weights;
+    ``full_batch_values``: answer value reads of fake tensors as for a full batch
+    (runtime/trace/data_emulation.py); ``step_hooks``: (before, after) each optimizer
+    step, called with the iteration and the tracker's phase callback."""
     import contextlib
 
+    from .data_emulation import FullBatchMode
     from .hf_step import run_steps
     from .storage_tracker import StorageTracker
 
@@ -136,17 +148,32 @@ def run_tracked(model: Any, cfg: RunConfig, batch: dict, eval_batch: dict | None
     layers_name = decoder_layers_name(model, num_layers)
     tracker.layers_name = layers_name or ""
     register_model(tracker, model, cfg, [batch, eval_batch], layers_name)
+    for other in frozen_models:
+        for p in other.parameters():
+            tracker.track(p, "parameter", WEIGHTS)
+        for b in other.buffers():
+            tracker.track(b, "buffer", WEIGHTS)
     calls = _Callbacks(tracker, model, cfg, layers_name)
     modules = ModuleStack(model, calls.on_enter, calls.on_exit)
     if layers_name:
         modules.set_layers(layers_name, num_layers)
     tracker.modules = modules
+    from .cuda_emulation import cuda_autocast_layer_norm, cuda_dropout
+
+    values = FullBatchMode() if full_batch_values else contextlib.nullcontext()
+    cuda = contextlib.ExitStack()
+    if emulation is not None:  # CUDA's LayerNorm under autocast and its dropout kernel
+        cuda.enter_context(cuda_autocast_layer_norm())
+        cuda.enter_context(cuda_dropout())
     try:
-        with fake if fake is not None else contextlib.nullcontext(), tracker, modules:
+        with fake if fake is not None else contextlib.nullcontext(), values, cuda, tracker, \
+                modules:
             tracker.losses = run_steps(
                 model, cfg, batch, device_type=device_type, iterations=iterations,
                 on_phase=calls.on_phase, on_grads=calls.on_grads, on_states=calls.on_states,
-                eval_batch=eval_batch)
+                eval_batch=eval_batch, loss_fn=loss_fn,
+                before_step=_with_phases(step_hooks[0], calls.on_phase),
+                after_step=_with_phases(step_hooks[1], calls.on_phase))
     except NotImplementedError as err:
         raise TraceUnsupported(str(err)) from None
     except Exception as err:  # the model's own code failed: say where, fall back
