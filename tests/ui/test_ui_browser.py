@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, LF_YAML, OOM_LOG
+from ui_helpers import FIXTURES, LF_YAML, OOM_LOG
 
 from oomless.diagnose import diagnose_text
 from oomless.ui import service

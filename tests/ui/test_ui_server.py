@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import FIXTURES, OOM_LOG, start_server, stop_server, ui_extra_installed
+from ui_helpers import FIXTURES, OOM_LOG, start_server, stop_server, ui_extra_installed
 
 from oomless.ui import service
 

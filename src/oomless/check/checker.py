@@ -68,6 +68,8 @@ class CheckResult:
     gpu_memory_bytes: int
     budget_bytes: int
     oom_phase: str | None  # first phase, in run order, predicted above the GPU's memory
+    low_bytes: int = 0  # uncertainty band around device_peak_bytes (memory/band.py)
+    high_bytes: int = 0
     fix: dict[str, Any] | None = None  # Plan.to_dict() of the smallest change that fits
     diffs: dict[str, str] = field(default_factory=dict)
     new_texts: dict[str, str] = field(default_factory=dict)  # edited text per file
@@ -83,13 +85,18 @@ class CheckResult:
 
     @property
     def within_budget(self) -> bool:
-        return self.device_peak_bytes <= self.budget_bytes
+        """What `plan` asks of a configuration: the peak keeps the headroom and the
+        band's upper bound fits the GPU (planner/scoring.py)."""
+        return (self.device_peak_bytes <= self.budget_bytes
+                and self.high_bytes <= self.gpu_memory_bytes)
 
     @property
     def verdict(self) -> str:
+        """fits (within the budget), out_of_memory (even the band's lower bound is above
+        the GPU's memory), or tight (in between: it may run out of memory)."""
         if self.within_budget:
             return "fits"
-        return "tight" if self.fits else "out_of_memory"
+        return "out_of_memory" if self.low_bytes > self.gpu_memory_bytes else "tight"
 
     @property
     def exit_code(self) -> int:
@@ -304,6 +311,7 @@ def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
 
 
 def check(opts: CheckOptions) -> CheckResult:
+    from ..memory.band import band_bytes
     from ..planner.speed import ASSUMPTIONS
 
     reading = read_files(opts)
@@ -320,13 +328,15 @@ def check(opts: CheckOptions) -> CheckResult:
     reading.warnings.extend(config_warnings(cfg, ctx))
     search_state = _Search(spec, reading, cfg, cluster, opts, ctx)
     fix, diffs, new_texts = (None, {}, {})
-    if per_phase[peak_phase] > budget:
+    low, high = band_bytes(per_phase[peak_phase])
+    if per_phase[peak_phase] > budget or high > memory:
         fix, diffs, new_texts = _fix(search_state)
     return CheckResult(
         kind=reading.kind, label=reading.label, files=[str(s.path) for s in reading.sources.values()],
         model=spec.name, hardware=cluster.describe(), config=cfg.to_dict(),
         phase_device_bytes=per_phase, device_peak_bytes=per_phase[peak_phase],
         peak_phase=peak_phase, gpu_memory_bytes=memory, budget_bytes=budget, oom_phase=oom,
+        low_bytes=low, high_bytes=high,
         fix=fix.to_dict() if fix else None, diffs=diffs, new_texts=new_texts,
         notes=reading.notes, warnings=reading.warnings, refused=search_state.refused,
         assumptions=[*reading.assumptions, *unmodelled_settings(spec, cfg, cluster),

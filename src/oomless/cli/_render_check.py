@@ -33,17 +33,20 @@ def read_as(c: dict[str, Any]) -> str:
 
 
 def _verdict(r: Any, out: Any) -> None:
-    if r.oom_phase:
-        out.print(f"[red]OUT OF MEMORY[/] in the {r.oom_phase} phase (the first above "
-                  f"{fmt_bytes(r.gpu_memory_bytes)}); peak {fmt_bytes(r.device_peak_bytes)} in "
-                  f"{r.peak_phase}.")
-    elif not r.within_budget:
-        out.print(f"[yellow]TIGHT[/]: fits the GPU but not the headroom: "
-                  f"{fmt_bytes(r.device_peak_bytes)} in {r.peak_phase}, budget "
-                  f"{fmt_bytes(r.budget_bytes)} — a longer batch or another process on the GPU "
-                  "runs out of memory.")
+    """The three-valued verdict (CheckResult.verdict) with the band (memory/band.py)."""
+    peak, gpu = fmt_bytes(r.device_peak_bytes), fmt_bytes(r.gpu_memory_bytes)
+    band = f"likely {fmt_bytes(r.low_bytes)}–{fmt_bytes(r.high_bytes)}"
+    if r.verdict == "out_of_memory":
+        out.print(f"[red]OUT OF MEMORY[/] in the {r.oom_phase} phase (the first above {gpu}); "
+                  f"peak {peak} ({band}) in {r.peak_phase}.")
+    elif r.verdict == "tight":
+        why = ("above the GPU's memory, but within the estimate's uncertainty"
+               if r.oom_phase else "the GPU's memory is within the estimate's uncertainty"
+               if r.high_bytes > r.gpu_memory_bytes else "fits the GPU but not the headroom")
+        out.print(f"[yellow]TIGHT[/]: {peak} ({band}) in {r.peak_phase} on a {gpu} GPU, budget "
+                  f"{fmt_bytes(r.budget_bytes)}: {why}; it may run out of memory.")
     else:
-        out.print(f"[green]FITS[/]: {fmt_bytes(r.device_peak_bytes)} in {r.peak_phase}, "
+        out.print(f"[green]FITS[/]: {peak} ({band}) in {r.peak_phase}, "
                   f"{fmt_bytes(r.gpu_memory_bytes - r.device_peak_bytes)} free.")
 
 

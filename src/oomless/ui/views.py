@@ -175,19 +175,19 @@ def check_payload(result: dict[str, Any], folder: str, fix_changes: list[str],
                   read_as: str) -> dict[str, Any]:
     """The Check tab: per-phase bytes, the verdict, and the fix as a diff."""
     gpu = result["gpu_memory_bytes"]
-    if result["oom_phase"]:
-        state = "out-of-memory"
+    band = f"likely {fmt_bytes(result['low_bytes'])}–{fmt_bytes(result['high_bytes'])}"
+    state = result["verdict"].replace("_", "-")
+    if state == "out-of-memory":
         text = (f"OUT OF MEMORY in the {result['oom_phase']} phase (the first above "
-                f"{fmt_bytes(gpu)}); peak {fmt_bytes(result['device_peak_bytes'])} in "
+                f"{fmt_bytes(gpu)}); peak {fmt_bytes(result['device_peak_bytes'])} ({band}) in "
                 f"{result['peak_phase']}.")
-    elif not result["within_budget"]:
-        state = "tight"
-        text = (f"FITS, but with less than the headroom: "
-                f"{fmt_bytes(result['device_peak_bytes'])} in {result['peak_phase']}.")
+    elif state == "tight":
+        text = (f"TIGHT: {fmt_bytes(result['device_peak_bytes'])} ({band}) in "
+                f"{result['peak_phase']} on a {fmt_bytes(gpu)} GPU: within the estimate's "
+                "uncertainty or the headroom; it may run out of memory.")
     else:
-        state = "fits"
-        text = (f"FITS: {fmt_bytes(result['device_peak_bytes'])} in {result['peak_phase']}, "
-                f"{fmt_bytes(gpu - result['device_peak_bytes'])} free.")
+        text = (f"FITS: {fmt_bytes(result['device_peak_bytes'])} ({band}) in "
+                f"{result['peak_phase']}, {fmt_bytes(gpu - result['device_peak_bytes'])} free.")
     fix = result["fix"]
     names = [f.removeprefix(folder) for f in result["files"]]
     return {

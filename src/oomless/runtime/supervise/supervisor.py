@@ -149,7 +149,8 @@ class Supervisor:
                 why = "; ".join(self.view.notes) or "no configuration"
             self.event("check", f"configuration not checked: {why}", checked=False)
             return
-        verdict = "fits" if result.within_budget else "predicted OUT OF MEMORY"
+        verdict = {"fits": "fits", "tight": "TIGHT (it may run out of memory)",
+                   "out_of_memory": "predicted OUT OF MEMORY"}[result.verdict]
         self.event("check", f"check: {verdict} on {result.hardware} (peak "
                    f"{fmt_bytes(result.device_peak_bytes)} in {result.peak_phase})",
                    checked=True, fits=result.fits, device_peak_bytes=result.device_peak_bytes,
