@@ -217,3 +217,17 @@ def test_rich_markup_in_the_run_folder_is_printed_as_is(run_config, tmp_path, ca
     assert main(["train", str(path), "--no-progress"]) == 0
     out = capsys.readouterr().out.replace("\n", "")
     assert f"next: oomless report {cfg.training.output_dir}" in out
+
+
+def test_cutting_logs_back_keeps_the_exits_that_ended_an_attempt(tmp_path):
+    """A rank that ran out of memory at step 3 exited for a restart (oom_exit); the relaunch
+    resumes from checkpoint-2 with another micro batch and does not redo that exit, so the
+    event stays in the history the supervisor and the report read; a recovered in-process
+    OOM at step 3 is redone and is dropped."""
+    from oomless.runtime.train.memlog import EVENTS, truncate_after
+
+    lines = [{"step": 2, "event": "checkpoint"}, {"step": 3, "event": "oom"},
+             {"step": 3, "event": "oom_exit", "rank": 1}]
+    (tmp_path / EVENTS).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert truncate_after(tmp_path, 2) == {EVENTS: 1}
+    assert [e["event"] for e in read_events(tmp_path)] == ["checkpoint", "oom_exit"]

@@ -52,7 +52,7 @@ def _zero(args: Any) -> tuple[int, str]:
     config = getattr(ds, "config", None)
     if not isinstance(config, dict):
         return 0, "none"
-    from ...check.sources import zero_from_deepspeed
+    from ...check.dsfiles import zero_from_deepspeed
 
     return zero_from_deepspeed(config, "TrainingArguments.deepspeed")
 

@@ -106,10 +106,17 @@ def truncate_after(run_dir: Path, step: int, run_id: str | None = None,
     return dropped
 
 
+# Events that end an attempt (a rank exiting for a restart): the relaunch does not redo
+# them (it runs with the changed configuration), so they stay as the run's history.
+ATTEMPT_END_EVENTS = ("oom_exit", "oom_unrecoverable")
+
+
 def _keep(obj: dict[str, Any], step: int, run_id: str | None) -> bool:
     line_step = obj.get("step")
     if run_id is not None and obj.get("run_id") not in (None, run_id):
         return False
+    if obj.get("event") in ATTEMPT_END_EVENTS:
+        return True
     return not (isinstance(line_step, int | float) and line_step > step)
 
 

@@ -1,0 +1,36 @@
+"""The protected Trainer's preflight reads a DeepSpeed run's ZeRO stage and offload from
+the TrainingArguments' DeepSpeed config, as transformers holds it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from oomless.errors import ConfigError
+from oomless.runtime.protect.preflight import _zero
+
+
+def _args(ds_config: dict | None) -> SimpleNamespace:
+    if ds_config is None:
+        return SimpleNamespace(hf_deepspeed_config=None)
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    return SimpleNamespace(hf_deepspeed_config=HfTrainerDeepSpeedConfig(ds_config))
+
+
+@pytest.mark.parametrize(("ds", "expected"), [
+    (None, (0, "none")),
+    ({"zero_optimization": {"stage": 2}}, (2, "none")),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     (2, "optimizer")),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                            "offload_param": {"device": "cpu"}}}, (3, "all")),
+])
+def test_zero_stage_and_offload_from_the_trainers_deepspeed_config(ds, expected):
+    assert _zero(_args(ds)) == expected
+
+
+def test_an_auto_stage_is_named_in_the_error():
+    with pytest.raises(ConfigError, match="zero_optimization.stage 'auto'"):
+        _zero(_args({"zero_optimization": {"stage": "auto"}}))
