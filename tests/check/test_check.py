@@ -263,3 +263,19 @@ def test_a_diff_of_a_file_without_a_final_newline_applies(tmp_path, old):
     new = old.rstrip("\n") + "\nc: 3\n"
     _patch(tmp_path, unified_diff(old, new, "f.yaml"))
     assert (tmp_path / "f.yaml").read_text() == new
+
+
+def test_a_gpu_inside_the_band_is_tight_with_a_fix(capsys):
+    """MoE-LLaVA's real stage-3 script (tests/fixtures/real_configs/moe-llava) on
+    8 × A100-40GB: the predicted peak is under the GPU's memory, but the GPU lies inside
+    the estimate's band, so the verdict is tight (exit 1), as `plan` would refuse it."""
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "fixtures/real_configs/moe-llava/phi2_finetune_moe.sh"
+    result = check(CheckOptions(files=(str(script),), gpu="a100-40gb x8"))
+    assert result.low_bytes < result.gpu_memory_bytes < result.high_bytes
+    assert result.oom_phase is None and result.verdict == "tight"
+    assert result.exit_code == 1 and result.fix is not None
+    assert result.to_dict()["high_bytes"] == result.high_bytes
+    assert main(["check", str(script), "--gpu", "a100-40gb x8"]) == 1
+    assert "TIGHT" in capsys.readouterr().out

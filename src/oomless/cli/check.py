@@ -19,8 +19,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "config, or an oomless.yaml; predict each phase's memory; when it does not fit within "
         "the headroom, print the smallest change (same effective batch) as a unified diff of "
         "the same file(s). The diff is printed unwrapped: `oomless check X > fix.patch; "
-        "patch -p1 < fix.patch` applies it. Exit code 0: fits within the headroom; 1: out of "
-        "memory, or fits but inside the headroom (the fix is printed); 2: bad input.")
+        "patch -p1 < fix.patch` applies it. Exit code 0: fits (within the headroom, and the upper bound "
+        "of the estimate's uncertainty band fits the GPU); 1: tight (the GPU's memory lies "
+        "inside the band, or only the headroom is missed) or out of memory (even the band's "
+        "lower bound does not fit): the fix is printed; 2: bad input.")
     p.add_argument("files", nargs="+", metavar="FILE",
                    help="the configuration (two files: TrainingArguments JSON and DeepSpeed "
                    "JSON, or a configuration and its accelerate config)")
