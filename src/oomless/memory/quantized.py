@@ -137,24 +137,16 @@ def quantized_weight_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float
     return stored + (spec.param_count - params) * dt.base_weight_bytes
 
 
-def quant_constant_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
+def quant_constant_bytes(spec: ModelSpec, cfg: RunConfig) -> float:
     """QLoRA's bitsandbytes 4-bit quantization constants (absmax, double-quantized):
     kept in the QuantState beside the packed weight, not as parameters, so FSDP and
     ZeRO-3 shard only the packed data (bitsandbytes nn/modules.py Params4bit)."""
     q = base_quantization(spec, cfg)
     if q is None or q.method != "bitsandbytes" or q.bits != 4 or spec.quantization is not None:
         return 0.0
-    packed = sum(n * lin.count * lin.in_features * lin.out_features / 2
-                 for n, lin in _quantized_linears(spec, q))
-    return quantized_weight_bytes(spec, cfg, dt) - packed - _unquantized_bytes(spec, q, dt)
-
-
-def _unquantized_bytes(spec: ModelSpec, q: QuantSpec, dt: Dtypes) -> float:
-    """Embeddings, lm_head, norms, biases and skipped modules at the 16-bit dtype."""
-    params = sum(n * lin.params for n, lin in _quantized_linears(spec, q))
-    biases = sum(n * lin.count * lin.out_features for n, lin in _quantized_linears(spec, q)
-                 if lin.bias)
-    return (spec.param_count - params) * dt.base_weight_bytes + 2 * biases
+    return sum(n * lin.count * (q.linear_bytes(lin.in_features, lin.out_features)
+                                - lin.in_features * lin.out_features / 2)  # minus packed codes
+               for n, lin in _quantized_linears(spec, q))
 
 
 def _largest_quantized(spec: ModelSpec, q: QuantSpec) -> int:

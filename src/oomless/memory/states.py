@@ -181,7 +181,7 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     shard3 = n if cfg.zero == 3 else 1  # ZeRO-3 partitions the parameters
     shard_opt = n if cfg.zero >= 1 else 1  # ZeRO-1+ partitions optimizer states
     params_on_host = cfg.offload == "all"
-    replicated = quant_constant_bytes(spec, cfg, dt) if cfg.zero == 3 else 0
+    replicated = quant_constant_bytes(spec, cfg) if cfg.zero == 3 else 0
     st.gpu["weights"] = 0 if params_on_host else round((weights - replicated) / shard3
                                                        + replicated)
     if cfg.zero == 3 and cfg.method == "qlora":

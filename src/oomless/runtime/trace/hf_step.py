@@ -90,14 +90,14 @@ def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Ten
     a trainer's loss on (model, batch) in place of the causal-LM loss (training stages);
     ``before_step``/``after_step``: what a trainer does around each optimizer step (PPO's
     rollout before, its statistics after)."""
-    from .stacks import step_context
+    from .stacks import model_loss, stack_loss, step_context
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, cfg, device_type)
     scaler = torch.amp.GradScaler(device_type) if cfg.precision == "fp16" else None
-    forward = training_forward(model, cfg)
-    if loss_fn is not None:
-        forward = _trainer_loss(model, cfg, loss_fn)
+    forward, compute_loss = training_forward(model, cfg), stack_loss(cfg)
+    if loss_fn is not None:  # a training stage: the trainer's loss replaces the stack's
+        forward, compute_loss = _trainer_loss(model, cfg, loss_fn), model_loss
     losses: list[float] = []
     held: list[Any] = []  # outputs a stack keeps until its next forward (stacks.py)
     # with gradient accumulation, a second micro batch runs while the first one's
@@ -108,8 +108,8 @@ def run_steps(model: torch.nn.Module, cfg: RunConfig, batch: dict[str, torch.Ten
             if before_step:
                 before_step(it)
             for _ in range(micro_batches):
-                losses.append(_micro_step(forward, batch, cfg, device_type, scaler, on_phase,
-                                          it, held))
+                losses.append(_micro_step(forward, compute_loss, batch, cfg, device_type,
+                                          scaler, on_phase, it, held))
             if on_grads:
                 on_grads(params)
             on_phase("optimizer", it)
@@ -139,25 +139,22 @@ def _trainer_loss(model: torch.nn.Module, cfg: RunConfig, loss_fn: LossFn) -> Ca
     def forward(**batch: Any) -> Any:
         return SimpleNamespace(loss=loss_fn(model, batch))
 
-    forward.computes_trainer_loss = True  # type: ignore[attr-defined]  # the stack's loss is in it
     return forward
 
 
-def _micro_step(forward: Callable[..., Any], batch: dict[str, torch.Tensor], cfg: RunConfig,
+def _micro_step(forward: Callable[..., Any], compute_loss: Callable[..., tuple[Any, Any]],
+                batch: dict[str, torch.Tensor], cfg: RunConfig,
                 device_type: str, scaler: Any, on_phase: Callable[[str, int], None],
                 iteration: int, held: list[Any]) -> Any:
-    """Forward (autocast) and backward of one micro batch; the loss, detached. The
-    stack computes the loss (stacks.stack_loss); a stack that keeps its outputs holds
-    them in ``held`` until the next forward has returned."""
-    from .stacks import keeps_outputs, model_loss, stack_loss
+    """Forward (autocast) and backward of one micro batch; the loss, detached.
+    ``compute_loss`` is the stack's (stacks.stack_loss) or a trainer's; a stack that
+    keeps its outputs holds them in ``held`` until the next forward has returned."""
+    from .stacks import keeps_outputs
 
     ac = autocast_dtype(cfg)
     on_phase("forward", iteration)
     with torch.autocast(device_type, dtype=ac or torch.bfloat16, enabled=ac is not None):
-        if getattr(forward, "computes_trainer_loss", False):  # a training stage's loss
-            loss, outputs = model_loss(forward, batch)
-        else:
-            loss, outputs = stack_loss(cfg)(forward, batch)
+        loss, outputs = compute_loss(forward, batch)
     held.clear()
     if keeps_outputs(cfg):
         held.append(outputs)
