@@ -75,6 +75,7 @@ def one_process(tiny_model_dir, tmp_path_factory):
     return root / "out"
 
 
+@pytest.mark.slow  # several processes or kill/resume: in CI's slow run
 def test_oom_on_rank_1_splits_both_ranks_and_equals_one_process(one_process, tiny_model_dir,
                                                                 tmp_path):
     from oomless.runtime.protect.bootstrap import write_shim
