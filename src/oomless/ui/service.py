@@ -27,7 +27,7 @@ from ..config import RunConfig, Stack, Stage, build_run_config
 from ..errors import ConfigError, OomlessError
 from ..fileio import new_temp_dir, write_atomic
 from ..units import fmt_bytes, fmt_count
-from . import views
+from . import commands, views
 
 MAX_UPLOAD_CHARS = 20_000_000  # one pasted log or file; the server refuses larger bodies
 # The tabs import the library's heavier parts when first used (or when warm_up runs,
@@ -94,6 +94,13 @@ def safe_name(name: str) -> str:
     return cleaned[:100] or "upload"
 
 
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what}: expected an object with \"name\" and \"text\", got "
+                          f"{type(value).__name__}")
+    return value
+
+
 def _text(request: dict[str, Any], key: str, what: str, required: bool = True) -> str:
     value = request.get(key) or ""
     if not isinstance(value, str):
@@ -107,13 +114,31 @@ def _text(request: dict[str, Any], key: str, what: str, required: bool = True) -
 
 
 def _number(request: dict[str, Any], key: str, kind: type = int) -> Any:
+    """A number of the page as the CLI's option parser reads it: a whole number for an
+    integer option (1e300 is not one), a finite one for a decimal option."""
     value = request.get(key)
     if value in (None, ""):
         return None
+    if isinstance(value, bool) or isinstance(value, (list, dict)):
+        raise ConfigError(f"'{key}': expected a number, got {value!r}")
     try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"'{key}': expected a number, got {value!r}") from None
+        number = float(value) if kind is float else _whole(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"'{key}': expected a {'whole ' if kind is int else ''}number, "
+                          f"got {str(value)[:40]!r}") from None
+    if kind is float and number != number or number in (float("inf"), float("-inf")):
+        raise ConfigError(f"'{key}': expected a finite number, got {str(value)[:40]!r}")
+    return number
+
+
+def _whole(value: Any) -> int:
+    if isinstance(value, float):
+        if not value.is_integer() or abs(value) > 2 ** 53:
+            raise ValueError(value)
+        return int(value)
+    if isinstance(value, str) and len(value.strip()) > 40:
+        raise ValueError(value)
+    return int(value)
 
 
 def gpu_text(request: dict[str, Any]) -> str | None:
@@ -167,6 +192,7 @@ def _model_text(ws: Workspace, request: dict[str, Any]) -> str:
     """A catalog name, or the path of the uploaded config.json saved in the workspace."""
     upload = request.get("model_config")
     if upload:
+        upload = _object(upload, "model_config")
         text = _text(upload, "text", "config.json")
         return str(ws.model_config(str(upload.get("name") or "uploaded-model"), text))
     model = request.get("model")
@@ -175,33 +201,29 @@ def _model_text(ws: Workspace, request: dict[str, Any]) -> str:
     return model.strip()
 
 
-def estimate_options(ws: Workspace, request: dict[str, Any]) -> argparse.Namespace:
-    """The `oomless estimate` options the page's knobs stand for."""
-    opts = {flag: None for flag in views.ESTIMATE_FLAGS}
-    for flag, kind in views.ESTIMATE_FLAGS.items():
-        value = request.get(flag)
-        if value in (None, ""):
-            continue
-        if kind in (int, float):
-            opts[flag] = _number(request, flag, kind)
-        else:
-            opts[flag] = bool(value) if kind is bool else str(value)
-    opts.update(model=_model_text(ws, request), gpu=gpu_text(request),
-                expandable_segments=False)
-    return argparse.Namespace(**opts)
+def _model(ws: Workspace, request: dict[str, Any]) -> tuple[str, str, bool]:
+    """(model text the library reads, model the copied command shows, uploaded?)."""
+    text = _model_text(ws, request)
+    uploaded = bool(request.get("model_config"))
+    return text, "./config.json" if uploaded else text, uploaded
+
+
+def estimate_options(ws: Workspace, request: dict[str, Any],
+                     kind_of: str = "estimate") -> argparse.Namespace:
+    """The `oomless estimate` options the page's knobs stand for, read by its parser."""
+    model, _shown, uploaded = _model(ws, request)
+    return commands.parse(request, kind_of, model, uploaded)
 
 
 def run_config(ws: Workspace, request: dict[str, Any]) -> RunConfig:
-    """RunConfig through the CLI's own path, plus the keys `estimate` has no flag for."""
+    """RunConfig through the CLI's own path (parser and run_config_from_args)."""
     from ..cli._options import run_config_from_args
 
-    cfg = run_config_from_args(estimate_options(ws, request))
-    extra = {k: request[k] for k in ("stack", "stage") if request.get(k)}
-    if not extra:
-        return cfg
-    data = cfg.model_dump()
-    data.update(extra)
-    return build_run_config(data, "<ui>")
+    return run_config_from_args(estimate_options(ws, request))
+
+
+def command_for(ws: Workspace, request: dict[str, Any], kind_of: str) -> str:
+    return commands.command_line(request, kind_of, _model(ws, request)[1])
 
 
 def estimate_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
@@ -216,7 +238,7 @@ def estimate_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
         device = phase_device_bytes(resolve_model(cfg.model).spec, cfg, cluster) \
             if cluster else None
     return views.estimate_payload(est.to_dict(), device, verdict_of(est),
-                                  views.command_line(request, cfg.model))
+                                  command_for(ws, request, "estimate"))
 
 
 def verdict_of(est) -> dict[str, Any]:
@@ -255,14 +277,14 @@ def plan_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
     from ..planner import PlanOptions, plan, request_from_options
 
     with ws.clean_errors():
+        model, _shown, uploaded = _model(ws, request)
+        args = commands.parse(request, "plan", model, uploaded)
         opts = PlanOptions(
-            model=_model_text(ws, request), gpu=gpu_text(request),
-            seq_len=_number(request, "seq_len"),
-            effective_batch=_number(request, "effective_batch"),
-            method=request.get("method") or "auto",
-            headroom=_number(request, "headroom", float) or 0.10,
-            objective=request.get("objective") or "speed", top=_number(request, "top") or 5,
-            lora_r=_number(request, "lora_r"), host_ram_gb=_number(request, "host_ram_gb", float))
+            model=args.model, gpu=args.gpu, seq_len=args.seq_len,
+            effective_batch=args.effective_batch, method=args.method, headroom=args.headroom,
+            objective=args.objective, top=args.top, lora_r=args.lora_r,
+            host_ram_gb=args.host_ram_gb, images=args.images,
+            max_new_tokens=args.max_new_tokens, stack=args.stack)
         spec, req = request_from_options(opts)
         result = plan(spec, req)
         files = [plan_files(ws, p.run_config(), spec, req.cluster) for p in result.plans]
@@ -304,6 +326,7 @@ def check_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(uploads, list) or not 1 <= len(uploads) <= 2:
         raise ConfigError("check reads one configuration file, or a DeepSpeed JSON and a "
                           "TrainingArguments JSON: choose or paste one")
+    uploads = [_object(u, f"file {i + 1}") for i, u in enumerate(uploads)]
     texts = [_text(upload, "text", f"file {i + 1}") for i, upload in enumerate(uploads)]
     folder = ws.folder("check")
     try:
@@ -315,14 +338,19 @@ def check_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
         with ws.clean_errors():
             result = check(CheckOptions(
                 files=tuple(str(folder / n) for n in names), gpu=gpu_text(request),
-                model=(request.get("model") or None), seq_len=_number(request, "seq_len"),
-                method=request.get("method") or None, images=_number(request, "images"),
+                model=_word(request, "model"), seq_len=_number(request, "seq_len"),
+                method=_word(request, "method"), images=_number(request, "images"),
                 headroom=_number(request, "headroom", float) or 0.10))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     fix_changes = [change_text(c) for c in result.fix["changes"]] if result.fix else []
     return views.check_payload(result.to_dict(), f"{folder}/", fix_changes,
                                read_as(result.config))
+
+
+def _word(request: dict[str, Any], key: str) -> str | None:
+    value = request.get(key)
+    return str(value) if value not in (None, "") else None
 
 
 def _pasted_name(text: str) -> str:
@@ -357,12 +385,50 @@ def diagnose_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- runs ------------------------------------------------------------------
+MAX_ESTIMATE_JSON_BYTES = 50_000_000
+
+
+def report_source(text: str) -> Path:
+    """The path the Runs tab may open: a run folder (one holding a file `oomless report`
+    reads) or an estimate JSON file; anything else is refused before it is read."""
+    from ..report.data import ESTIMATE_NAMES, EVENT_NAMES, MEMLOG_NAMES
+
+    path = Path(text).expanduser()
+    if path.is_dir():
+        names = MEMLOG_NAMES + EVENT_NAMES + ESTIMATE_NAMES
+        if not any((path / n).is_file() for n in names):
+            raise ConfigError(f"'{text}' is not a run folder: it holds none of "
+                              f"{', '.join(names)}; give the output_dir of an `oomless train` "
+                              "run or an `oomless estimate --json` file")
+        return path
+    if not path.exists():
+        raise ConfigError(f"'{text}' does not exist; give a run folder or an estimate JSON "
+                          "file")
+    if path.suffix.lower() != ".json" or not path.is_file():
+        raise ConfigError(f"'{text}' is neither a run folder nor a .json file; the Runs tab "
+                          "opens run folders and `oomless estimate --json` files only")
+    if path.stat().st_size > MAX_ESTIMATE_JSON_BYTES:
+        raise ConfigError(f"'{text}' is larger than {MAX_ESTIMATE_JSON_BYTES:,} bytes: not "
+                          "an estimate JSON")
+    return path
+
+
 def report_view(request: dict[str, Any]) -> dict[str, Any]:
-    """`oomless report` of a run folder (or estimate JSON) the user names."""
+    """`oomless report` of a run folder (or estimate JSON) the user names. A file that
+    cannot be read is named with the kind of problem, never quoted (it may hold secrets);
+    `oomless report` in a terminal prints the details."""
     from ..report import load_report_data, render_html
 
-    source = _text(request, "path", "the run folder").strip()
-    data = load_report_data(Path(source).expanduser())
+    text = _text(request, "path", "the run folder").strip()
+    source = report_source(text)
+    try:
+        data = load_report_data(source)
+    except OomlessError as err:
+        raise type(err)(f"'{text}' could not be read as a run folder or an estimate JSON "
+                        f"({type(err).__name__}); run `oomless report {text}` in a terminal "
+                        "for the details") from None
+    except OSError as err:
+        raise ConfigError(f"'{text}' could not be read: {err.strerror}") from None
     summary = {"title": data.title, "steps": len(data.steps), "events": len(data.events),
                "ooms": sum(e.is_oom for e in data.events),
                "measured_peak_bytes": data.measured_peak_bytes,

@@ -8,20 +8,11 @@ as the command line formats them.
 
 from __future__ import annotations
 
-import shlex
 from typing import Any, get_args
 
 from ..config import Precision
 from ..knobs import ATTENTIONS, METHODS, OPTIMIZERS
 from ..units import fmt_bytes
-
-# The `oomless estimate` options the page sets (cli/_options.py), with their types.
-ESTIMATE_FLAGS: dict[str, type] = {
-    "method": str, "precision": str, "optim": str, "quant": str, "batch_size": int,
-    "grad_accum": int, "seq_len": int, "grad_ckpt": bool, "attn": str, "lora_r": int,
-    "lora_dropout": float, "lora_targets": str, "zero": int, "offload": str, "nodes": int,
-    "host_ram_gb": float, "eval_batch_size": int, "max_new_tokens": int, "images": int,
-}
 
 # The stacked bar's groups: the estimate's categories (result.py) in the words of the
 # issue tracker and the calculators people know; a category not listed is "other".
@@ -84,25 +75,6 @@ def estimate_payload(est: dict[str, Any], device: dict[str, int] | None,
         "text": {k: fmt_bytes(est[k]) for k in (
             "peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes")},
     }
-
-
-def command_line(request: dict[str, Any], model: str) -> str:
-    """The `oomless estimate` command that gives the same estimate."""
-    shown = "./config.json" if request.get("model_config") else model
-    words = ["oomless", "estimate", shown]
-    for flag, kind in ESTIMATE_FLAGS.items():
-        value = request.get(flag)
-        if value in (None, ""):
-            continue
-        option = "--" + flag.replace("_", "-")
-        if kind is bool:
-            words.append(option if value else f"--no-{flag.replace('_', '-')}")
-        else:
-            words += [option, str(value)]
-    if request.get("gpu"):
-        count = int(request.get("gpus") or 1)
-        words += ["--gpu", request["gpu"] + (f" x{count}" if count > 1 else "")]
-    return " ".join(shlex.quote(w) for w in words)
 
 
 def knob_alternatives(request: dict[str, Any], cfg: dict[str, Any]) -> list[tuple]:
