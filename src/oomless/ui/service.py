@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import shlex
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -266,53 +267,7 @@ def knob_effects(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
             continue
         rows.append(views.effect_row(knob, est.device_peak_bytes, verdict_of(est),
                                      base.device_peak_bytes))
-    return {"base_bytes": base.device_peak_bytes, "rows": rows}
-
-
-# ---- plan ------------------------------------------------------------------
-def plan_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
-    """`oomless plan`: the top configurations and, for each, the files `plan --out` writes."""
-    from ..cli._render_check import read_as
-    from ..cli._render_plan import change_text, fmt_duration, miss_text
-    from ..planner import PlanOptions, plan, request_from_options
-
-    with ws.clean_errors():
-        model, _shown, uploaded = _model(ws, request)
-        args = commands.parse(request, "plan", model, uploaded)
-        opts = PlanOptions(
-            model=args.model, gpu=args.gpu, seq_len=args.seq_len,
-            effective_batch=args.effective_batch, method=args.method, headroom=args.headroom,
-            objective=args.objective, top=args.top, lora_r=args.lora_r,
-            host_ram_gb=args.host_ram_gb, images=args.images,
-            max_new_tokens=args.max_new_tokens, stack=args.stack)
-        spec, req = request_from_options(opts)
-        result = plan(spec, req)
-        files = [plan_files(ws, p.run_config(), spec, req.cluster) for p in result.plans]
-    plans = [views.plan_row(p.to_dict(), [change_text(c) for c in p.changes],
-                            read_as(p.config), fmt_duration(p.speed["step_s"])) | {"files": f}
-             for p, f in zip(result.plans, files, strict=True)]
-    return {"model": result.model, "hardware": result.hardware,
-            "effective_batch": result.effective_batch, "budget_bytes": result.budget_bytes,
-            "objective": result.objective, "searched": result.searched,
-            "fitting": result.fitting, "elapsed_s": result.elapsed_s, "plans": plans,
-            "misses": [miss_text(m) for m in result.misses],
-            "suggestions": list(result.suggestions), "notes": list(result.notes),
-            "assumptions": list(result.assumptions)}
-
-
-def plan_files(ws: Workspace, cfg: RunConfig, spec, cluster) -> dict[str, str]:
-    """{file name: text} of what `plan --out` writes for ``cfg``; paths between the
-    files name the sibling file (they are downloaded into one folder)."""
-    from ..planner.options import model_id_for
-    from ..planner.writers import write_plan_files
-
-    folder = ws.folder("plan")
-    model_id, family = model_id_for(cfg.model)
-    paths = write_plan_files(folder, cfg, spec, cluster, model_id, family)
-    prefix = f"{folder.resolve()}/"
-    files = {p.name: p.read_text(encoding="utf-8").replace(prefix, "") for p in paths}
-    shutil.rmtree(folder, ignore_errors=True)
-    return files
+    return {"base_bytes": base.device_peak_bytes, "rows": views.sort_effects(rows)}
 
 
 # ---- check -----------------------------------------------------------------
@@ -344,8 +299,11 @@ def check_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     fix_changes = [change_text(c) for c in result.fix["changes"]] if result.fix else []
+    words = ["oomless", "check", *names, *commands.gpu_words(request)]
+    words += [f"--{k.replace('_', '-')}={request[k]}" for k in ("model", "seq_len", "method")
+              if request.get(k)]
     return views.check_payload(result.to_dict(), f"{folder}/", fix_changes,
-                               read_as(result.config))
+                               read_as(result.config)) | {"command": shlex.join(words)}
 
 
 def _word(request: dict[str, Any], key: str) -> str | None:
@@ -381,7 +339,12 @@ def diagnose_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
     for i, finding in enumerate(diagnosis.findings, 1):
         numbers = _numbers(finding)
         headings.append((_title(finding, i, count).plain, numbers.plain if numbers else ""))
-    return views.diagnosis_payload(diagnosis.to_dict(), headings)
+    words = ["oomless", "diagnose", "train.log", *commands.gpu_words(request)]
+    if config_text.strip():
+        words += ["--config", "oomless.yaml"]
+    return views.diagnosis_payload(diagnosis.to_dict(), headings) | {
+        "command": shlex.join(words), "hints": {k: v for k, v in diagnosis.hints.to_dict()
+                                                 .items() if v is not None}}
 
 
 # ---- runs ------------------------------------------------------------------
@@ -436,3 +399,9 @@ def report_view(request: dict[str, Any]) -> dict[str, Any]:
                "predicted_peak_bytes": data.predicted_peak_bytes,
                "gpu_memory_bytes": data.gpu_memory_bytes}
     return {"summary": summary, "html": render_html(data)}
+
+
+from .planning import inference_view, plan_files, plan_view  # noqa: E402  (they use the above)
+
+__all__ = ["Workspace", "choices", "check_view", "diagnose_view", "estimate_view",
+           "inference_view", "knob_effects", "plan_files", "plan_view", "report_view"]

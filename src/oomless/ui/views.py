@@ -196,3 +196,75 @@ def diagnosis_payload(diagnosis: dict[str, Any], headings: list[tuple[str, str]]
         })
     return {"found": diagnosis["found"], "summary": diagnosis["summary"], "events": events,
             "notes": diagnosis["notes"], "gpu": diagnosis["gpu"]}
+
+
+def page_knobs(config: dict[str, Any]) -> dict[str, Any]:
+    """The page's knobs (and GPU count) that stand for a RunConfig's JSON form: what
+    "open in Estimate" sets, so the Estimate tab estimates exactly this configuration."""
+    quant = config["quantization"]
+    targets = config["lora"]["targets"]
+    knobs = {"method": config["method"], "precision": config["precision"],
+             "optim": config["optimizer"], "lora_r": config["lora"]["r"],
+             "lora_targets": targets if isinstance(targets, str) else ",".join(targets),
+             "batch_size": config["micro_batch_size"], "grad_accum": config["grad_accum"],
+             "seq_len": config["seq_len"], "grad_ckpt": config["grad_ckpt"],
+             "attn": config["attn"], "zero": config["zero"], "offload": config["offload"],
+             "stack": config["stack"], "stage": config["stage"],
+             "gpus": config["hardware"]["gpus_per_node"]}
+    if config["method"] == "qlora":
+        knobs["quant"] = "int8" if quant["bits"] == 8 else quant["type"]
+    if config["hardware"].get("gpu"):
+        knobs["gpu"] = config["hardware"]["gpu"]
+    return knobs
+
+
+_STATE_RANK = {"fits": 0, "tight": 1, None: 2, "out-of-memory": 3}
+
+
+def sort_effects(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What gets the configuration to fit first: by the verdict each change gives
+    (fits, tight, out of memory), then by the device peak it leaves."""
+    return sorted(rows, key=lambda r: (_STATE_RANK.get(r["state"], 2), r["device_peak_bytes"]))
+
+
+def _plain(markup: str) -> str:
+    from rich.text import Text
+
+    return Text.from_markup(markup).plain
+
+
+def vllm_payload(model: str, gpu_name: str, budget: Any, engine: dict[str, Any],
+                 command: str) -> dict[str, Any]:
+    """The Inference tab for vLLM: the budget's parts, the KV blocks, the most sequences
+    held and the smallest utilization, in the CLI's words, and the engine arguments."""
+    from ..cli._render_infer import budget_verdict, engine_args_text
+
+    b = budget.to_dict()
+    rows = [["weights (with LoRA slots)" if engine.get("enable_lora") else "weights",
+             b["weights_bytes"]],
+            ["profile-run peak (activations, sampler)", b["profile_peak_bytes"]],
+            ["non-torch (CUDA context, CUDA graphs)", b["non_torch_bytes"]],
+            ["KV cache", b["kv_cache_bytes"]]]
+    state = ("out-of-memory" if not b["fits"] else "fits" if b["holds_max_num_seqs"]
+             else "tight")
+    return {"engine": "vllm", "model": model, "gpu": gpu_name, "budget": b,
+            "rows": [[name, n, fmt_bytes(n)] for name, n in rows], "state": state,
+            "text": _plain(budget_verdict(budget)), "engine_args": engine,
+            "engine_args_text": engine_args_text(engine), "command": command}
+
+
+def generate_payload(model: str, est: dict[str, Any], cluster: Any,
+                     command: str) -> dict[str, Any]:
+    """The Inference tab for transformers' generate(): its parts against the GPU."""
+    rows = [["weights", est["weights_bytes"]], ["KV cache", est["kv_cache_bytes"]],
+            ["prefill activations", est["activations_bytes"]],
+            ["logits (last token, fp32)", est["logits_bytes"]],
+            ["non-PyTorch (CUDA context)", est["non_pytorch_bytes"]]]
+    total = est["device_peak_bytes"]  # the library's nvidia-smi peak (allocator reserve in)
+    gpu = cluster.gpu.memory_bytes if cluster else None
+    state = None if gpu is None else ("fits" if total <= gpu else "out-of-memory")
+    text = (f"device peak {fmt_bytes(total)} (no GPU chosen)" if gpu is None else
+            f"device peak {fmt_bytes(total)} of {fmt_bytes(gpu)} on {cluster.gpu.display_name}")
+    return {"engine": "hf", "model": model, "estimate": est, "total_bytes": total,
+            "rows": [[name, n, fmt_bytes(n)] for name, n in rows], "state": state,
+            "text": text, "command": command}
