@@ -10,7 +10,8 @@ const KNOB_SELECTS = { method: "methods", quant: "quant", precision: "precisions
 function setupKnobs() {
   const c = state.choices;
   for (const [id, key] of Object.entries(KNOB_SELECTS)) fillSelect(id, c[key].map(String));
-  fillSelect("plan-method", ["auto", ...c.methods]);
+  fillSelect("plan-method", ["keep", "auto", ...c.methods],
+    ["the Estimate's", "auto (any method)", ...c.methods]);
   setKnobs(c.defaults);
   for (const id of ["batch_size", "seq_len"]) {  // a slider beside a number one can type
     $(`${id}-range`).addEventListener("input", () => { $(id).value = $(`${id}-range`).value; });

@@ -10,7 +10,7 @@ function planCard(p, i) {
       .toLocaleString()} tokens/s · step ${p.step}`),
     el("div", {}, p.read_as),
     el("div", { class: "changed" }, p.changes.length
-      ? `changed from your Estimate (to fit, fastest first): ${p.changes.join("; ")}`
+      ? `changed from your Estimate so that it fits: ${p.changes.join("; ")}`
       : "your Estimate's configuration as it is"),
     p.tradeoffs.length ? el("div", { class: "hint" }, `trade-offs: ${p.tradeoffs.join("; ")}`)
       : null,
