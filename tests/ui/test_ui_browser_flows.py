@@ -12,11 +12,21 @@ import shlex
 from pathlib import Path
 
 import pytest
-from test_ui_browser import (CHROMEDRIVER, CHROMIUM, WIDTH, HEIGHT, assert_drawn, open_page,
-                             selenium, set_select, settled, wait_for)
+from test_ui_browser import (
+    CHROMEDRIVER,
+    CHROMIUM,
+    HEIGHT,
+    WIDTH,
+    assert_drawn,
+    open_page,
+    selenium,
+    set_select,
+    settled,
+    wait_for,
+)
 from test_ui_flow_service import OOM_RUN
 
-from oomless.ui import service
+from oomless.ui import planning
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     CHROMIUM is None or CHROMEDRIVER is None or selenium is None,
@@ -84,7 +94,7 @@ def test_oom_in_estimate_then_plan_keeps_the_run_and_reopens_it(browsers, server
     open_page(driver, server_url)
     set_estimate_run(driver)
     assert driver.find_element("id", "verdict-badge").text == "OUT OF MEMORY"
-    expected = service.plan_view(workspace, {"knobs": OOM_RUN, "method": "keep"})
+    expected = planning.plan_view(workspace, {"knobs": OOM_RUN, "method": "keep"})
 
     driver.find_element("css selector", '#tabs button[data-tab="plan"]').click()
     assert driver.find_element("id", "plan-seq").get_attribute("placeholder") == "4096"
@@ -137,7 +147,7 @@ def test_the_inference_tab_shows_the_clis_vllm_budget(browsers, server_url, work
     request = {"model": "qwen2.5-7b-instruct", "gpu": "rtx-a6000", "gpus": 1,
                "engine": "vllm", "seq_len": 2048, "max_new_tokens": 512, "max_num_seqs": 256,
                "kv_cache_dtype": "auto"}
-    expected = service.inference_view(workspace, request)
+    expected = planning.inference_view(workspace, request)
     shown = driver.execute_script("return window.oomlessUI.lastInference")
     assert shown["budget"] == expected["budget"]
     assert shown["engine_args"] == expected["engine_args"]

@@ -10,7 +10,7 @@ import shlex
 import pytest
 
 from oomless.cli import main
-from oomless.ui import service
+from oomless.ui import planning, service
 
 # The case at a length where LoRA fits a 4090: an OOM in Estimate (sequence
 # 4096, micro batch 8, no checkpointing), then Plan.
@@ -29,7 +29,7 @@ def cli_json(capsys, *argv: str) -> dict:
 def test_plan_keeps_the_estimates_run_and_open_in_estimate_restores_each_plan(workspace):
     estimate = service.estimate_view(workspace, OOM_RUN)
     assert estimate["verdict"]["state"] == "out-of-memory"
-    view = service.plan_view(workspace, {"knobs": OOM_RUN, "method": "keep"})
+    view = planning.plan_view(workspace, {"knobs": OOM_RUN, "method": "keep"})
     assert view["kept"] == {"seq_len": 4096, "effective_batch": 8, "method": "lora",
                             "stage": "sft", "stack": "hf-trainer"}
     assert view["method_note"] is None and view["plans"]
@@ -44,7 +44,7 @@ def test_plan_keeps_the_estimates_run_and_open_in_estimate_restores_each_plan(wo
 
 
 def test_the_plan_command_on_the_estimates_yaml_is_the_same_search(workspace, tmp_path, capsys):
-    view = service.plan_view(workspace, {"knobs": {**OOM_RUN, "stage": "dpo"},
+    view = planning.plan_view(workspace, {"knobs": {**OOM_RUN, "stage": "dpo"},
                                          "method": "keep", "top": 3})
     assert view["kept"]["stage"] == "dpo" and view["plans"]
     (tmp_path / "oomless.yaml").write_text(view["base_yaml"])
@@ -59,8 +59,8 @@ def test_the_plan_command_on_the_estimates_yaml_is_the_same_search(workspace, tm
 
 def test_when_the_method_fits_nowhere_the_next_lighter_one_is_planned_and_said(workspace):
     run = {**OOM_RUN, "method": "full", "seq_len": 1024}
-    view = service.plan_view(workspace, {"knobs": run, "method": "keep"})
-    full_only = service.plan_view(workspace, {"knobs": run, "method": "full"})
+    view = planning.plan_view(workspace, {"knobs": run, "method": "keep"})
+    full_only = planning.plan_view(workspace, {"knobs": run, "method": "full"})
     assert not full_only["plans"]  # full fine-tuning of 7B does not fit a 4090
     assert view["plans"] and view["kept"]["method"] in ("lora", "qlora")
     assert "nothing fits with full" in view["method_note"]
@@ -84,7 +84,7 @@ def test_the_inference_tab_says_what_estimate_inference_says(workspace, capsys, 
                "seq_len": 2048, "max_new_tokens": 512}
     for flag, value in zip(extra[::2], extra[1::2], strict=True):
         request[flag[2:].replace("-", "_")] = int(value) if value.isdigit() else value
-    view = service.inference_view(workspace, request)
+    view = planning.inference_view(workspace, request)
     printed = cli_json(capsys, *shlex.split(view["command"])[1:])
     if engine == "vllm":
         assert view["engine_args"] == printed["engine_args"]
@@ -103,7 +103,7 @@ def test_every_result_carries_the_command_that_gives_it(workspace, capsys):
     estimate = service.estimate_view(workspace, {**OOM_RUN, "seq_len": 512, "batch_size": 1})
     printed = cli_json(capsys, *shlex.split(estimate["command"])[1:])
     assert printed["device_peak_bytes"] == estimate["device_peak_bytes"]
-    view = service.plan_view(workspace, {"knobs": OOM_RUN, "method": "keep"})
+    view = planning.plan_view(workspace, {"knobs": OOM_RUN, "method": "keep"})
     for plan in view["plans"]:
         printed = cli_json(capsys, *shlex.split(plan["command"])[1:])
         assert printed["device_peak_bytes"] == plan["device_peak_bytes"]

@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import OomlessError
-from . import guard, service
+from . import guard, planning, service
 
 LOG = logging.getLogger("oomless.ui")
 MAX_BODY_BYTES = guard.MAX_BODY_BYTES
@@ -121,8 +121,8 @@ def create_app(host: str = "127.0.0.1", token: str | None = None,
         Route("/static/{name}", page), Route("/api/choices", get_choices),
         Route("/api/estimate", _endpoint(service.estimate_view), methods=["POST"]),
         Route("/api/effects", _endpoint(service.knob_effects), methods=["POST"]),
-        Route("/api/plan", _endpoint(service.plan_view), methods=["POST"]),
-        Route("/api/inference", _endpoint(service.inference_view), methods=["POST"]),
+        Route("/api/plan", _endpoint(planning.plan_view), methods=["POST"]),
+        Route("/api/inference", _endpoint(planning.inference_view), methods=["POST"]),
         Route("/api/check", _endpoint(service.check_view), methods=["POST"]),
         Route("/api/diagnose", _endpoint(service.diagnose_view), methods=["POST"]),
         Route("/api/report", _endpoint(service.report_view, takes_ws=False), methods=["POST"]),

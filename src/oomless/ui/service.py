@@ -1,6 +1,7 @@
 """The one place the web page meets the library (torch-free, no web framework).
 
-Every tab of ``oomless ui`` calls one function here; each takes the page's JSON
+The Estimate, Check, Diagnose and Runs tabs call one function here (Plan and
+Inference: planning.py); each takes the page's JSON
 request (a dict), calls the library's public entry points — the same ones the
 command line calls — and returns plain JSON values. Nothing here models memory:
 byte counts, verdicts, plans, fixes and diagnoses all come from the library.
@@ -400,8 +401,3 @@ def report_view(request: dict[str, Any]) -> dict[str, Any]:
                "gpu_memory_bytes": data.gpu_memory_bytes}
     return {"summary": summary, "html": render_html(data)}
 
-
-from .planning import inference_view, plan_files, plan_view  # noqa: E402  (they use the above)
-
-__all__ = ["Workspace", "choices", "check_view", "diagnose_view", "estimate_view",
-           "inference_view", "knob_effects", "plan_files", "plan_view", "report_view"]
