@@ -115,3 +115,30 @@ def test_a_path_on_the_server_is_not_a_model_the_page_reads(workspace, tmp_path)
     (tmp_path / "run.yaml").write_text("model: qwen2.5-7b-instruct\n")
     with pytest.raises(ConfigError, match="is a path on the server"):
         service.estimate_view(workspace, {**OOM_RUN, "model": str(tmp_path / "run.yaml")})
+
+
+@pytest.mark.parametrize("name", ["llava/finetune_lora.sh", "moe-llava/phi2_finetune_moe.sh"])
+def test_check_reads_a_pasted_launch_script_as_the_cli_reads_the_file(workspace, tmp_path,
+                                                                     capsys, name):
+    from ui_helpers import FIXTURES
+
+    from oomless.errors import OomlessError
+
+    script = FIXTURES / "real_configs" / name
+    (tmp_path / "pasted.sh").write_text(script.read_text())
+    argv = ["check", str(tmp_path / "pasted.sh"), "--gpu", "a100-80gb x8"]
+    capsys.readouterr()
+    code = main([*argv, "--json"])
+    out, err = capsys.readouterr()
+    request = {"files": [{"name": "", "text": script.read_text()}], "gpu": "a100-80gb",
+               "gpus": 8}
+    if code == 2:  # the CLI can't tell something: the page says the same
+        with pytest.raises(OomlessError) as caught:
+            service.check_view(workspace, request)
+        assert str(caught.value) in err.replace(f"{tmp_path}/", "")
+        return
+    printed = json.loads(out)
+    view = service.check_view(workspace, request)
+    assert view["state"] == printed["verdict"].replace("_", "-")
+    assert [p["device_bytes"] for p in view["phases"]] == \
+        list(printed["phase_device_bytes"].values())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 import shlex
 import shutil
 import tempfile
@@ -312,8 +313,18 @@ def _word(request: dict[str, Any], key: str) -> str | None:
     return str(value) if value not in (None, "") else None
 
 
+_LAUNCHERS = re.compile(r"^\s*(deepspeed|torchrun|accelerate\s+launch|python3?|llamafactory-cli"
+                        r"|swift|axolotl)\s", re.MULTILINE)
+
+
 def _pasted_name(text: str) -> str:
-    return "pasted.json" if text.lstrip().startswith("{") else "pasted.yaml"
+    """A pasted file's name by what it holds (check reads a file by its kind): JSON, a
+    launch script (a #! line, or a deepspeed / torchrun / python … command), else YAML."""
+    if text.lstrip().startswith("{"):
+        return "pasted.json"
+    if text.startswith("#!") or _LAUNCHERS.search(text):
+        return "pasted.sh"
+    return "pasted.yaml"
 
 
 # ---- diagnose --------------------------------------------------------------
