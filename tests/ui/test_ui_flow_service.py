@@ -142,3 +142,13 @@ def test_check_reads_a_pasted_launch_script_as_the_cli_reads_the_file(workspace,
     assert view["state"] == printed["verdict"].replace("_", "-")
     assert [p["device_bytes"] for p in view["phases"]] == \
         list(printed["phase_device_bytes"].values())
+
+
+def test_diagnose_shows_what_the_log_states_and_its_fix_starts_there(workspace):
+    from ui_helpers import OOM_LOG
+
+    view = service.diagnose_view(workspace, {"log": OOM_LOG.read_text()})
+    assert view["hints"]["micro_batch_size"] == 8 and view["hints"]["grad_accum"] == 2
+    assert all(isinstance(v, (int, float, str)) for v in view["hints"].values())
+    fixes = [f["text"] for f in view["events"][0]["fixes"]]
+    assert any("micro batch 4, accumulation 4" in f for f in fixes), fixes

@@ -355,8 +355,12 @@ def diagnose_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
     if config_text.strip():
         words += ["--config", "oomless.yaml"]
     return views.diagnosis_payload(diagnosis.to_dict(), headings) | {
-        "command": shlex.join(words), "hints": {k: v for k, v in diagnosis.hints.to_dict()
-                                                 .items() if v is not None}}
+        "command": shlex.join(words), "hints": _stated(diagnosis.hints.to_dict())}
+
+
+def _stated(hints: dict[str, Any]) -> dict[str, Any]:
+    """The settings the log states (plain values; what it does not state is left out)."""
+    return {k: v for k, v in hints.items() if isinstance(v, (int, float, str))}
 
 
 # ---- runs ------------------------------------------------------------------
@@ -410,5 +414,6 @@ def report_view(request: dict[str, Any]) -> dict[str, Any]:
                "measured_peak_label": data.measured_peak_label,
                "predicted_peak_bytes": data.predicted_peak_bytes,
                "gpu_memory_bytes": data.gpu_memory_bytes}
-    return {"summary": summary, "html": render_html(data)}
+    return {"summary": summary, "html": render_html(data),
+            "command": shlex.join(["oomless", "report", text])}
 

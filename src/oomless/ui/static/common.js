@@ -67,7 +67,10 @@ const tasks = {};
 
 async function runTask(name, work, { clear } = {}) {
   const previous = tasks[name];
-  if (previous) previous.controller.abort();
+  if (previous) {
+    previous.controller.abort();
+    ui.superseded = (ui.superseded || 0) + 1;
+  }
   const task = { controller: new AbortController(), started: performance.now() };
   tasks[name] = task;
   const progress = $(`${name}-progress`), out = $(`${name}-result`);
@@ -78,6 +81,7 @@ async function runTask(name, work, { clear } = {}) {
       `working… ${((performance.now() - task.started) / 1000).toFixed(1)} s`; };
     tick();
     task.timer = setInterval(tick, 100);
+    ui.progressShown = (ui.progressShown || 0) + 1;
   }
   ui.done[name] = ui.done[name] || 0;
   try {

@@ -202,6 +202,7 @@ async function openRun(signal) {
   $("runs-summary").textContent = `${s.title}: ${parts.join(" · ")}`;
   $("runs-frame").srcdoc = r.html;
   $("runs-frame").hidden = false;
+  $("runs-command").replaceChildren(commandBox(r.command));
 }
 
 /* ---- tabs and start ---------------------------------------------------------- */
@@ -220,7 +221,8 @@ const CLEAR = { plan: () => $("plan-result").replaceChildren(),
   inf: () => $("inf-result").replaceChildren(),
   check: () => { $("check-result").hidden = true; },
   diag: () => $("diag-result").replaceChildren(),
-  runs: () => { $("runs-summary").textContent = ""; $("runs-frame").hidden = true; } };
+  runs: () => { $("runs-summary").textContent = ""; $("runs-frame").hidden = true;
+    $("runs-command").replaceChildren(); } };
 
 async function start() {
   for (const b of document.querySelectorAll("#tabs button")) {
