@@ -60,3 +60,35 @@ def test_tensorboard_shows_predicted_and_measured_peaks_and_the_oom_split(tiny_m
     assert "loss" in scalars  # the Trainer's own values stay
     # the Trainer's own history (trainer_state.json) holds them too
     assert trainer.state.log_history[0][PREFIX + "micro_batch"] == 4.0
+
+
+@pytest.mark.slow  # a real `oomless train` run of the tiny model: about 6 s on 2 cores
+def test_oomless_train_writes_the_same_values_to_tensorboard(tiny_model_dir, tmp_path):
+    from oomless.cli import main
+    from oomless.config import RunConfig, dump_run_config
+    from oomless.runtime.tiny import demo_data_path
+    from oomless.runtime.train.memlog import read_events
+
+    cfg = RunConfig.model_validate({
+        "model": str(tiny_model_dir), "method": "lora", "precision": "fp32",
+        "micro_batch_size": 4, "grad_accum": 2, "seq_len": 64,
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "data": {"train_file": str(demo_data_path())},
+        "training": {"max_steps": 3, "learning_rate": 5e-3, "warmup_ratio": 0.0, "seed": 7,
+                     "output_dir": str(tmp_path / "run"), "memory_budget_gb": 64,
+                     "inject_oom": [{"step": 2, "rank": 0}]}})
+    (tmp_path / "oomless.yaml").write_text(dump_run_config(cfg))
+    assert main(["train", str(tmp_path / "oomless.yaml"), "--no-progress",
+                 "--tensorboard", str(tmp_path / "tb")]) == 0
+    scalars = {k.removeprefix("train/"): v for k, v in _scalars(tmp_path / "tb").items()}
+    (oom,) = [e for e in read_events(tmp_path / "run") if e["event"] == "oom"]
+    steps = read_steps(tmp_path / "run")
+    assert scalars[PREFIX + "micro_batch"] == [(1, 4.0), (2, 2.0), (3, 2.0)]
+    assert scalars[PREFIX + "oom_count"] == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    assert scalars[PREFIX + "oom_micro_batch_before"] == [(2, float(oom["micro_batch_before"]))]
+    assert scalars[PREFIX + "oom_micro_batch_after"] == [(2, float(oom["micro_batch_after"]))]
+    measured = [v for _s, v in scalars[PREFIX + "simulated_peak_gib"]]
+    assert measured == pytest.approx([s["simulated_peak_bytes"] / GIB for s in steps], rel=1e-6)
+    predicted = [v for _s, v in scalars[PREFIX + "predicted_peak_allocated_gib"]]
+    assert predicted == pytest.approx([s["predicted_peak_bytes"] / GIB for s in steps],
+                                      rel=1e-6)

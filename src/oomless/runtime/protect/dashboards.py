@@ -1,4 +1,5 @@
-"""Memory in the dashboards people already watch: the protected Trainer's own logs.
+"""Memory in the dashboards people already watch: the protected Trainer's own logs
+(and, for `oomless train`'s own loop, TensorBoard event files: :class:`TensorBoardSteps`).
 
 ``attach(ctx)`` wraps ``trainer.log`` on the instance (the class is not touched), so
 every training log the Trainer writes — and so every ``report_to`` integration
@@ -6,8 +7,7 @@ every training log the Trainer writes — and so every ``report_to`` integration
 also holds, under :data:`PREFIX`:
 
 - ``oomless/peak_allocated_gib``, ``oomless/peak_reserved_gib``: this process's
-  allocator peaks since the previous log (CUDA; the peak counters are reset after
-  each reading, so each log shows its own steps' peak);
+  allocator peaks since the previous log (CUDA; see :func:`measured_peaks`);
   ``oomless/simulated_peak_gib`` under a simulated budget (``memory_budget_gb``);
   ``oomless/host_rss_gib`` on CPU;
 - ``oomless/predicted_peak_allocated_gib`` and, from the preflight's estimate,
@@ -36,6 +36,22 @@ GIB = 2**30
 
 def _gib(n_bytes: int | float) -> float:
     return float(n_bytes) / GIB
+
+
+def measured_peaks(device: Any) -> dict[str, float]:
+    """This process's allocator peaks since the last call (CUDA: the peak counters are
+    reset after reading, so memlog.jsonl's ``peak_bytes`` is then per step too — the
+    run's maximum is unchanged), or the host RSS on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        out = {"peak_allocated_gib": _gib(torch.cuda.max_memory_allocated(device)),
+               "peak_reserved_gib": _gib(torch.cuda.max_memory_reserved(device))}
+        torch.cuda.reset_peak_memory_stats(device)
+        return out
+    from ..train.memlog import host_rss_bytes
+
+    return {"host_rss_gib": _gib(host_rss_bytes())}
 
 
 class Dashboard:
@@ -71,18 +87,7 @@ class Dashboard:
         return out
 
     def _measured(self) -> dict[str, float]:
-        import torch
-
-        device = self.ctx.trainer.args.device
-        out: dict[str, float] = {}
-        if device.type == "cuda":
-            out["peak_allocated_gib"] = _gib(torch.cuda.max_memory_allocated(device))
-            out["peak_reserved_gib"] = _gib(torch.cuda.max_memory_reserved(device))
-            torch.cuda.reset_peak_memory_stats(device)
-        else:
-            from ..train.memlog import host_rss_bytes
-
-            out["host_rss_gib"] = _gib(host_rss_bytes())
+        out = measured_peaks(self.ctx.trainer.args.device)
         if self.ctx.budget_gb:
             out["simulated_peak_gib"] = _gib(self.ctx.step_peak_bytes)
         return out
@@ -123,3 +128,55 @@ def attach(ctx: Any) -> Dashboard:
     ctx.event = event
     trainer.log = log
     return dashboard
+
+
+# ---- `oomless train`: its own loop (not a Trainer) writes the same values to TensorBoard ----
+class TensorBoardSteps:
+    """``oomless train --tensorboard DIR``: each step's memory record (memlog.jsonl's
+    fields) and the run's OOM splits as the same ``oomless/`` scalars, written to
+    TensorBoard event files in DIR (``torch.utils.tensorboard``; rank 0 writes).
+    Called by the training loop after each step (its ``on_step_end``)."""
+
+    def __init__(self, log_dir: str) -> None:
+        from ...errors import ConfigError
+
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("--tensorboard needs the tensorboard package: "
+                              "pip install tensorboard") from None
+        self.writer = SummaryWriter(log_dir)
+        self.ooms = 0
+
+    def values(self, trainer: Any, record: dict[str, Any]) -> dict[str, float]:
+        """The ``oomless/`` values of one step of the loop (names as the Trainer's)."""
+        from ..train.memlog import read_events
+
+        out = measured_peaks(trainer.device)
+        for key, name in (("simulated_peak_bytes", "simulated_peak_gib"),
+                          ("predicted_peak_bytes", "predicted_peak_allocated_gib")):
+            value = record.get(key)
+            value = max(value) if isinstance(value, list) and value else value
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[name] = _gib(value)
+        splits = [e for e in read_events(trainer.run_dir)
+                  if e.get("event") == "oom" and e.get("step") == record["step"]]
+        self.ooms += len(splits)
+        out.update(micro_batch=float(record["micro_batch_size"]),
+                   grad_ckpt=float(bool(record.get("grad_ckpt"))), oom_count=float(self.ooms))
+        if splits:
+            last, first = splits[-1], splits[0]
+            out.update(oom_micro_batch_before=float(first["micro_batch_before"]),
+                       oom_micro_batch_after=float(last["micro_batch_after"]),
+                       oom_in_backward=float(bool(last.get("in_backward"))))
+        return {PREFIX + k: v for k, v in out.items()}
+
+    def __call__(self, trainer: Any, record: dict[str, Any]) -> None:
+        if not trainer.dist.is_main:
+            return
+        for name, value in self.values(trainer, record).items():
+            self.writer.add_scalar(name, value, record["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
