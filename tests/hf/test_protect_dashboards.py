@@ -92,3 +92,10 @@ def test_oomless_train_writes_the_same_values_to_tensorboard(tiny_model_dir, tmp
     predicted = [v for _s, v in scalars[PREFIX + "predicted_peak_allocated_gib"]]
     assert predicted == pytest.approx([s["predicted_peak_bytes"] / GIB for s in steps],
                                       rel=1e-6)
+    import json
+
+    estimate = json.loads((tmp_path / "run" / "estimate.json").read_text())
+    for tag, key in (("predicted_device_peak_gib", "device_peak_bytes"),
+                     ("predicted_low_gib", "low_bytes"), ("predicted_high_gib", "high_bytes")):
+        values = [v for _s, v in scalars[PREFIX + tag]]
+        assert values == pytest.approx([estimate[key] / GIB] * 3, rel=1e-6), tag

@@ -38,6 +38,22 @@ def _gib(n_bytes: int | float) -> float:
     return float(n_bytes) / GIB
 
 
+def predicted_band(run_dir: Any) -> dict[str, float] | None:
+    """The run folder's estimate.json (written before the first step by the protected
+    Trainer's preflight and by `oomless train`): its device peak and band, in GiB;
+    None while there is none."""
+    path = run_dir / "estimate.json"
+    if not path.is_file():
+        return None
+    try:
+        est = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {name: _gib(est[key]) for key, name in (
+        ("device_peak_bytes", "predicted_device_peak_gib"), ("low_bytes", "predicted_low_gib"),
+        ("high_bytes", "predicted_high_gib")) if isinstance(est.get(key), (int, float))}
+
+
 def measured_peaks(device: Any) -> dict[str, float]:
     """This process's allocator peaks since the last call (CUDA: the peak counters are
     reset after reading, so memlog.jsonl's ``peak_bytes`` is then per step too — the
@@ -72,19 +88,8 @@ class Dashboard:
         if self.ctx.predicted_peak_bytes:
             out["predicted_peak_allocated_gib"] = _gib(self.ctx.predicted_peak_bytes)
         if self.estimate is None:  # the preflight writes it before the first step
-            path = self.ctx.run_dir / "estimate.json"
-            if path.is_file():
-                try:
-                    self.estimate = json.loads(path.read_text(encoding="utf-8"))
-                except (OSError, ValueError):
-                    self.estimate = {}
-        est = self.estimate or {}
-        for key, name in (("device_peak_bytes", "predicted_device_peak_gib"),
-                          ("low_bytes", "predicted_low_gib"),
-                          ("high_bytes", "predicted_high_gib")):
-            if isinstance(est.get(key), (int, float)):
-                out[name] = _gib(est[key])
-        return out
+            self.estimate = predicted_band(self.ctx.run_dir)
+        return {**out, **(self.estimate or {})}
 
     def _measured(self) -> dict[str, float]:
         out = measured_peaks(self.ctx.trainer.args.device)
@@ -147,6 +152,7 @@ class TensorBoardSteps:
                               "pip install tensorboard") from None
         self.writer = SummaryWriter(log_dir)
         self.ooms = 0
+        self.band: dict[str, float] | None = None
 
     def values(self, trainer: Any, record: dict[str, Any]) -> dict[str, float]:
         """The ``oomless/`` values of one step of the loop (names as the Trainer's)."""
@@ -159,6 +165,9 @@ class TensorBoardSteps:
             value = max(value) if isinstance(value, list) and value else value
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[name] = _gib(value)
+        if self.band is None:
+            self.band = predicted_band(trainer.run_dir)
+        out.update(self.band or {})
         splits = [e for e in read_events(trainer.run_dir)
                   if e.get("event") == "oom" and e.get("step") == record["step"]]
         self.ooms += len(splits)
