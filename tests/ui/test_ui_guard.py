@@ -88,26 +88,23 @@ def test_report_opens_run_folders_only_and_never_quotes_a_file(server_url, tmp_p
 
 
 def _chunked_upload(url: str, total_bytes: int) -> tuple[int, int]:
-    """Send ``total_bytes`` in chunks without ever ending the body; (status, bytes sent
-    before the answer came)."""
+    """Send up to ``total_bytes`` in whole chunks, never ending the body, until the
+    server answers; (status, bytes sent before the answer came)."""
+    import select
+
     parts = urlsplit(url)
-    chunk = b"x" * 1_000_000
+    frame = b"%x\r\n%s\r\n" % (1_000_000, b"x" * 1_000_000)
     sent = 0
-    with socket.create_connection((parts.hostname, parts.port), timeout=60) as sock:
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
         sock.sendall(b"POST /api/diagnose HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
-        sock.settimeout(0.001)
-        answer = b""
-        while sent < total_bytes and b"\r\n" not in answer:
+        while sent < total_bytes and not select.select([sock], [], [], 0)[0]:
             try:
-                sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                sent += len(chunk)
-                answer += sock.recv(4096)
-            except (TimeoutError, BlockingIOError):
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                break
-        sock.settimeout(30)
+                sock.sendall(frame)  # blocking: a chunk is never cut in the middle
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):
+                break  # the server stopped reading
+            sent += 1_000_000
+        answer = b""
         deadline = time.monotonic() + 30
         while b"\r\n" not in answer and time.monotonic() < deadline:
             answer += sock.recv(4096)
