@@ -22,7 +22,7 @@ from oomless.config import RunConfig
 from oomless.diagnose import NO_EVENT
 from oomless.errors import ConfigError, ModelConfigError, OomlessError, UnknownModelError
 from oomless.fileio import OutputFolder
-from oomless.ui import planning, service
+from oomless.ui import planning, runs, service
 
 
 def cli_error(capsys, *argv: str) -> str:
@@ -248,7 +248,7 @@ def test_a_missing_run_folder_gets_the_cli_message(capsys, tmp_path):
     missing = str(tmp_path / "no-such-run")
     expected = cli_error(capsys, "report", missing)
     with pytest.raises(OomlessError) as caught:
-        service.report_view({"path": missing})
+        runs.report_view({"path": missing})
     assert str(caught.value) == expected
 
 

@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import OomlessError
-from . import guard, planning, service
+from . import guard, planning, runs, service
 
 LOG = logging.getLogger("oomless.ui")
 MAX_BODY_BYTES = guard.MAX_BODY_BYTES
@@ -125,7 +125,7 @@ def create_app(host: str = "127.0.0.1", token: str | None = None,
         Route("/api/inference", _endpoint(planning.inference_view), methods=["POST"]),
         Route("/api/check", _endpoint(service.check_view), methods=["POST"]),
         Route("/api/diagnose", _endpoint(service.diagnose_view), methods=["POST"]),
-        Route("/api/report", _endpoint(service.report_view, takes_ws=False), methods=["POST"]),
+        Route("/api/report", _endpoint(runs.report_view, takes_ws=False), methods=["POST"]),
     ]
     middleware = [Middleware(TrustedHostMiddleware,
                              allowed_hosts=guard.allowed_hosts(host, extra_hosts))]

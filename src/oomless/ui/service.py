@@ -1,7 +1,7 @@
 """The one place the web page meets the library (torch-free, no web framework).
 
-The Estimate, Check, Diagnose and Runs tabs call one function here (Plan and
-Inference: planning.py); each takes the page's JSON
+The Estimate, Check and Diagnose tabs call one function here (Plan and
+Inference: planning.py; Runs: runs.py); each takes the page's JSON
 request (a dict), calls the library's public entry points — the same ones the
 command line calls — and returns plain JSON values. Nothing here models memory:
 byte counts, verdicts, plans, fixes and diagnoses all come from the library.
@@ -361,59 +361,3 @@ def diagnose_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
 def _stated(hints: dict[str, Any]) -> dict[str, Any]:
     """The settings the log states (plain values; what it does not state is left out)."""
     return {k: v for k, v in hints.items() if isinstance(v, (int, float, str))}
-
-
-# ---- runs ------------------------------------------------------------------
-MAX_ESTIMATE_JSON_BYTES = 50_000_000
-
-
-def report_source(text: str) -> Path:
-    """The path the Runs tab may open: a run folder (one holding a file `oomless report`
-    reads) or an estimate JSON file; anything else is refused before it is read."""
-    from ..report.data import ESTIMATE_NAMES, EVENT_NAMES, MEMLOG_NAMES
-
-    path = Path(text).expanduser()
-    if path.is_dir():
-        names = MEMLOG_NAMES + EVENT_NAMES + ESTIMATE_NAMES
-        if not any((path / n).is_file() for n in names):
-            raise ConfigError(f"'{text}' is not a run folder: it holds none of "
-                              f"{', '.join(names)}; give the output_dir of an `oomless train` "
-                              "run or an `oomless estimate --json` file")
-        return path
-    if not path.exists():
-        raise ConfigError(f"'{text}' does not exist; give a run folder or an estimate JSON "
-                          "file")
-    if path.suffix.lower() != ".json" or not path.is_file():
-        raise ConfigError(f"'{text}' is neither a run folder nor a .json file; the Runs tab "
-                          "opens run folders and `oomless estimate --json` files only")
-    if path.stat().st_size > MAX_ESTIMATE_JSON_BYTES:
-        raise ConfigError(f"'{text}' is larger than {MAX_ESTIMATE_JSON_BYTES:,} bytes: not "
-                          "an estimate JSON")
-    return path
-
-
-def report_view(request: dict[str, Any]) -> dict[str, Any]:
-    """`oomless report` of a run folder (or estimate JSON) the user names. A file that
-    cannot be read is named with the kind of problem, never quoted (it may hold secrets);
-    `oomless report` in a terminal prints the details."""
-    from ..report import load_report_data, render_html
-
-    text = _text(request, "path", "the run folder").strip()
-    source = report_source(text)
-    try:
-        data = load_report_data(source)
-    except OomlessError as err:
-        raise type(err)(f"'{text}' could not be read as a run folder or an estimate JSON "
-                        f"({type(err).__name__}); run `oomless report {text}` in a terminal "
-                        "for the details") from None
-    except OSError as err:
-        raise ConfigError(f"'{text}' could not be read: {err.strerror}") from None
-    summary = {"title": data.title, "steps": len(data.steps), "events": len(data.events),
-               "ooms": sum(e.is_oom for e in data.events),
-               "measured_peak_bytes": data.measured_peak_bytes,
-               "measured_peak_label": data.measured_peak_label,
-               "predicted_peak_bytes": data.predicted_peak_bytes,
-               "gpu_memory_bytes": data.gpu_memory_bytes}
-    return {"summary": summary, "html": render_html(data),
-            "command": shlex.join(["oomless", "report", text])}
-
