@@ -29,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="if the run is predicted not to fit, apply the best plan that does")
     p.add_argument("--output-dir", metavar="DIR", help="override training.output_dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="also write each step's memory (oomless/ peaks, prediction, micro "
+                   "batch, OOM splits) as TensorBoard scalars to DIR (needs tensorboard)")
     p.add_argument("--dry-run", action="store_true",
                    help="with several GPUs: write the launch files, print the command, stop")
     m = p.add_argument_group("several nodes (hardware.nodes > 1; run on every node)")
@@ -103,8 +106,18 @@ def _run(args: argparse.Namespace) -> int:
 
         raise ConfigError("--resume continues the run in output_dir, --start-over deletes it: "
                           "give one of them")
-    result = train(cfg, resume=args.resume, auto_fit=args.auto_fit,
-                   progress=not args.no_progress, start_over=args.start_over)
+    board = None
+    if args.tensorboard:
+        from ..runtime.protect.dashboards import TensorBoardSteps
+
+        board = TensorBoardSteps(args.tensorboard)
+    try:
+        result = train(cfg, resume=args.resume, auto_fit=args.auto_fit,
+                       progress=not args.no_progress, start_over=args.start_over,
+                       on_step_end=board)
+    finally:
+        if board is not None:
+            board.close()
     if int(os.environ.get("RANK", "0")) == 0:
         render_summary(out, result)
         out.print(f"next: oomless report {esc(result.run_dir)}")
