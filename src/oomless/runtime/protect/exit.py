@@ -61,6 +61,12 @@ def exit_for_restart(ctx: Any, err: BaseException, reason: str,
                f"relaunches from the last checkpoint with {batch}")
     data = {"error": first_line(err), "exit_code": EXIT_OOM_RESTART, "engine": ctx.kind,
             "rank": ctx.dist.rank, "phase": phase, "checkpoint": saved, **suggested}
+    if phase == "train":  # the setting that ran out of memory: a relaunch skips it
+        from .guard import checkpointing_on
+
+        data["failed"] = {"micro_batch_size": ctx.chunk_rows
+                          or ctx.trainer.args.per_device_train_batch_size,
+                          "grad_ckpt": ctx.grad_ckpt or checkpointing_on(ctx.trainer.model)}
     # rank 0 may be blocked in a collective: each rank writes its own line
     ctx.log.run_dir.mkdir(parents=True, exist_ok=True)
     ctx.log.enabled = True

@@ -59,6 +59,16 @@ def oom_types() -> tuple[type[BaseException], ...]:
     return (torch.OutOfMemoryError, PeerOOM)
 
 
+def checkpointing_on(model: Any) -> bool:
+    """Whether the model runs with gradient checkpointing (however it was switched on:
+    TrainingArguments, or the script calling ``gradient_checkpointing_enable``)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # renamed in 5.x
+        value = getattr(model, name, None)
+        if value is not None:
+            return bool(value)
+    return False
+
+
 def loss_scaled_for_ga(trainer: Any, num_items_in_batch: Any) -> bool:
     """transformers' own decision in ``Trainer.training_step`` (whether it divides by
     the accumulation steps)."""
@@ -189,13 +199,15 @@ class StepGuard:
                                  "are already past the point where they could join the recovery")
         release_memory(lambda: None, c.trainer.args.device)
         before = c.chunk_rows or rows or 1
+        c.grad_ckpt = c.grad_ckpt or checkpointing_on(c.trainer.model)
+        failed = {"micro_batch_size": before, "grad_ckpt": c.grad_ckpt}
         rec = next_setting(before, c.grad_ckpt)
         error = first_line(err)
         if rec is None:
             c.event("oom_unrecoverable", f"out of memory at step {c.step} with one row per "
                     "forward and gradient checkpointing: no recovery left that keeps the "
                     "training; lower the sequence length, quantize or shard the model",
-                    c.step, ranks=ranks, error=error)
+                    c.step, ranks=ranks, error=error, phase="train", failed=failed)
             raise err
         c.chunk_rows = rec.micro_batch_size
         if rec.grad_ckpt and not c.grad_ckpt:
@@ -204,12 +216,13 @@ class StepGuard:
         redo = in_backward and c.keeps_step_inputs
         if redo:
             model.zero_grad(set_to_none=True)
-        self._log_oom(ranks, error, before, rows, in_backward)
+        self._log_oom(ranks, error, failed, rows, in_backward)
         return redo
 
-    def _log_oom(self, ranks: list[int], error: str, before: int, rows: int | None,
+    def _log_oom(self, ranks: list[int], error: str, failed: dict[str, Any], rows: int | None,
                  in_backward: bool) -> None:
         c = self.ctx
+        before = failed["micro_batch_size"]
         args = c.trainer.args
         per_device = args.per_device_train_batch_size
         unit = "pairs" if c.layout.pairs else "rows"
@@ -220,7 +233,7 @@ class StepGuard:
                 f"{' with gradient checkpointing' if c.grad_ckpt else ''}; the effective batch "
                 "is unchanged", c.step, ranks=ranks, error=error, phase="train",
                 micro_batch_before=before, micro_batch_after=c.chunk_rows,
-                grad_ckpt=c.grad_ckpt, in_backward=in_backward,
+                grad_ckpt=c.grad_ckpt, in_backward=in_backward, failed=failed,
                 unit=unit, weighting="num_items_in_batch" if self.scaled else
                 f"mean over {c.layout.weight}",
                 per_device_train_batch_size=per_device,
