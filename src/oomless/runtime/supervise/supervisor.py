@@ -214,6 +214,7 @@ class Supervisor:
         argv = self.command.argv
         log = CappedLog(log_path, self.opts.log_cap_bytes)
         watchdog = Watchdog(self.opts.stop_grace_s)
+        proc: subprocess.Popen | None = None
         try:
             try:
                 proc = subprocess.Popen(argv, env=self._env(attempt, resume),
@@ -223,15 +224,14 @@ class Supervisor:
                 raise OomlessError(f"cannot start `{argv[0]}`: {err.strerror or err}") from None
             watchdog.watch(proc.pid)
             with GroupStopper(proc.pid, self.opts.stop_grace_s, self.say) as stopper:
-                try:
-                    self._tee(proc, log)
-                    rc = proc.wait()
-                except BaseException:  # oomless itself fails: the command must not stay
-                    stopper.kill(signal.SIGKILL)
-                    raise
+                self._tee(proc, log)
+                rc = proc.wait()
             self.stopped_by = stopper.caught
             return rc, log_path
         finally:
+            if proc is not None and proc.poll() is None:  # oomless itself failed mid-way
+                GroupStopper(proc.pid, 0, self.say).kill(signal.SIGKILL)
+                proc.wait()
             log.close()
             watchdog.done()
 
