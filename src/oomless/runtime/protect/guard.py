@@ -42,8 +42,9 @@ from ..train.oom import (
     state_tensors,
     storage_bytes,
 )
+from . import metrics
 from .batch import batch_rows, loss_items, row_chunks
-from .context import PeerOOM, ProtectContext
+from .context import PeerOOM, ProtectContext, checkpointing_on
 from .exit import exit_for_restart
 
 
@@ -57,16 +58,6 @@ def oom_types() -> tuple[type[BaseException], ...]:
     import torch
 
     return (torch.OutOfMemoryError, PeerOOM)
-
-
-def checkpointing_on(model: Any) -> bool:
-    """Whether the model runs with gradient checkpointing (however it was switched on:
-    TrainingArguments, or the script calling ``gradient_checkpointing_enable``)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # renamed in 5.x
-        value = getattr(model, name, None)
-        if value is not None:
-            return bool(value)
-    return False
 
 
 def loss_scaled_for_ga(trainer: Any, num_items_in_batch: Any) -> bool:
@@ -86,11 +77,15 @@ class StepGuard:
         self.original = original
         self.oom_types = oom_types()
         self.scaled = True  # whether chunk losses add up (num_items_in_batch normalisation)
+        self.step_counters: metrics.Counters | None = None  # TRL's counters (metrics.py)
+        self.attempt_counters: metrics.Counters | None = None
 
     def __call__(self, model: Any, inputs: Any, num_items_in_batch: Any = None,
                  *args: Any, **kwargs: Any) -> Any:
         c = self.ctx
         c.micro_index += 1
+        if c.micro_index == 0:
+            self.step_counters = metrics.snapshot(c.trainer)
         c.count_micro_batches()
         c.hook_model(model)
         if c.keeps_step_inputs:
@@ -156,6 +151,7 @@ class StepGuard:
             base = saved or t.args.gradient_accumulation_steps
             t.current_gradient_accumulation_steps = base * whole / max(part, 1) if part else base
         mode = self._budget(model)
+        self.attempt_counters = metrics.snapshot(t)
         try:
             with mode:
                 loss = self.original(model, inputs, num_items, *args, **kwargs)
@@ -199,8 +195,8 @@ class StepGuard:
                                  "are already past the point where they could join the recovery")
         release_memory(lambda: None, c.trainer.args.device)
         before = c.chunk_rows or rows or 1
-        c.grad_ckpt = c.grad_ckpt or checkpointing_on(c.trainer.model)
-        failed = {"micro_batch_size": before, "grad_ckpt": c.grad_ckpt}
+        failed = {"micro_batch_size": before,
+                  "grad_ckpt": c.grad_ckpt or checkpointing_on(c.trainer.model)}
         rec = next_setting(before, c.grad_ckpt)
         error = first_line(err)
         if rec is None:
@@ -216,6 +212,7 @@ class StepGuard:
         redo = in_backward and c.keeps_step_inputs
         if redo:
             model.zero_grad(set_to_none=True)
+        metrics.restore(c.trainer, self.step_counters if redo else self.attempt_counters)
         self._log_oom(ranks, error, failed, rows, in_backward)
         return redo
 
