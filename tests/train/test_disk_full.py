@@ -134,3 +134,59 @@ def test_a_non_utf8_output_dir_is_a_user_error(tiny_model_dir, tmp_path, capsys)
     assert "--output-dir" in err and "is not valid UTF-8" in err and "internal" not in err
     assert not Path(os.fsencode(bad).decode("latin-1")).exists()
     assert sys.getfilesystemencoding() == "utf-8"
+
+
+RUN_ON_A_SMALL_DISK = r'''
+set -u
+mount -t tmpfs -o size="$SIZE" tmpfs "$DISK" || exit 97
+python="$1"; shift
+"$python" -m oomless train "$CONFIG" --no-progress > "$OUT/first.txt" 2>&1; echo $? > "$OUT/first.rc"
+ls -a "$DISK/run/checkpoints" > "$OUT/after-first.txt"
+mount -o remount,size=64m "$DISK"
+"$python" -m oomless train "$CONFIG" --no-progress --resume > "$OUT/resume.txt" 2>&1
+echo $? > "$OUT/resume.rc"
+ls -a "$DISK/run/checkpoints" > "$OUT/after-resume.txt"
+cp -r "$DISK/run" "$OUT/run"
+'''
+
+
+@pytest.mark.slow
+def test_a_real_full_disk(tiny_model_dir, tmp_path):
+    """The probe's case on a real file system: a tmpfs (in a user and mount namespace,
+    `unshare -rm`) with room for the run's files and its first checkpoint plus half of
+    the second, sized from an uninterrupted run of the same configuration."""
+    import shutil
+    import subprocess
+
+    from oomless.config import dump_run_config
+
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user and mount namespaces here (unshare -rm) for a small tmpfs")
+    reference = train(tiny_run_config(tiny_model_dir, tmp_path / "reference", **SETTINGS))
+    one_checkpoint = sum(p.stat().st_size for p in
+                         ckpt.checkpoint_dir(reference.run_dir, 2).rglob("*") if p.is_file())
+    run_files = sum(p.stat().st_size for p in reference.run_dir.iterdir() if p.is_file())
+    size_kib = (run_files + one_checkpoint * 3 // 2) // 1024 + 1
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    config = tmp_path / "oomless.yaml"
+    config.write_text(dump_run_config(tiny_run_config(tiny_model_dir, disk / "run", **SETTINGS)))
+    env = {**os.environ, "SIZE": f"{size_kib}k", "DISK": str(disk), "OUT": str(out),
+           "CONFIG": str(config),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", RUN_ON_A_SMALL_DISK, "sh",
+                           sys.executable], env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode == 97:
+        pytest.skip(f"tmpfs cannot be mounted here: {done.stderr.strip()[:200]}")
+    first = (out / "first.txt").read_text()
+    assert (out / "first.rc").read_text().strip() == "2", first[-2000:]
+    error = [line for line in first.splitlines() if line.startswith("oomless: error:")]
+    assert len(error) == 1 and "could not write checkpoint step-000004" in error[0]
+    assert "No space left on device" in error[0] and "internal error" not in first
+    assert (out / "after-first.txt").read_text().split() == [".", "..", "step-000002"]
+    assert (out / "resume.rc").read_text().strip() == "0", (out / "resume.txt").read_text()
+    assert (out / "after-resume.txt").read_text().split() == \
+        [".", "..", "step-000002", "step-000004", "step-000006"]
+    assert_same_run(reference, out / "run")
