@@ -213,3 +213,24 @@ def test_the_relaunch_skips_every_setting_that_failed():
     change = choose_change(view, diagnosis, oom, [Setting(1, False)])
     assert change.changes == {"micro_batch_size": 1, "grad_accum": 8, "grad_ckpt": True}
     assert choose_change(view, diagnosis, oom, [Setting(1, True)]) is None
+
+
+def test_a_copy_left_by_an_earlier_run_is_not_named(tmp_path, monkeypatch):
+    """The same run folder used again: a file already in configs/attempt-2 that this fix
+    did not write is not named as the copy."""
+    from test_run_supervisor import FIXTURES, _moe_llava_command, _training_oom_log
+
+    from oomless.runtime.supervise.configs import choose_change, diagnose_log
+    from oomless.runtime.supervise.supervisor import Supervisor
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "zero2.json").write_text((FIXTURES / "zero2_offload.json").read_text())
+    stale = tmp_path / "run" / "configs" / "attempt-2" / "old.yaml"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("from an earlier run\n")
+    sup = Supervisor(RunOptions(_moe_llava_command("zero2.json"), model="qwen2.5-1.5b-instruct",
+                                run_dir=str(tmp_path / "run")))
+    change = choose_change(sup.view, diagnose_log(_training_oom_log(), sup.view), [])
+    assert sup._apply(change, 2, "restart")
+    (restart,) = read_events(tmp_path / "run", "restart")
+    assert restart["copies"] == [] and "old.yaml" not in restart["message"]

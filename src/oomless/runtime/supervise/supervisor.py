@@ -109,6 +109,13 @@ def read_run_events(run_dir: Path) -> list[dict[str, Any]]:
     return [obj for _n, obj in read_jsonl(path)] if path.is_file() else []
 
 
+def _files(folder: Path) -> dict[Path, int]:
+    """The files in ``folder`` and their modification times (what a fix wrote there)."""
+    if not folder.is_dir():
+        return {}
+    return {p: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file()}
+
+
 def _run_dir(opts: RunOptions, view: ConfigView) -> Path:
     if opts.run_dir:
         return Path(opts.run_dir)
@@ -176,6 +183,7 @@ class Supervisor:
 
     def _apply(self, change: Change, attempt: int, kind: str) -> bool:
         folder = self.run_dir / "configs" / f"attempt-{attempt}"
+        before = _files(folder)
         try:
             command, diffs = write_change(self.view, change, folder)
         except OomlessError as err:
@@ -184,7 +192,7 @@ class Supervisor:
         self.command = command
         self.view = read_view(command, self.opts.model)
         self.result.changes.append(change.text)
-        copies = sorted(str(p) for p in folder.iterdir()) if folder.is_dir() else []
+        copies = sorted(str(p) for p, stamp in _files(folder).items() if before.get(p) != stamp)
         where = (f"written to a copy: {', '.join(copies)}" if copies
                  else "given on the command line")
         self.event(kind, f"{change.text}; {where} (your files are unchanged)",
