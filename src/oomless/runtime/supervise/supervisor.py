@@ -5,13 +5,16 @@
    check it; ``--auto-fit`` starts with check's smallest fix when it
    predicts an OOM.
 2. Launch it with the protection shim on ``PYTHONPATH`` (protect/bootstrap.py),
-   its output shown and copied to ``attempt-N.log``, GPUs sampled through NVML.
+   its output shown and copied to ``attempt-N.log``, GPUs sampled through NVML;
+   signals are passed to its process group and a watchdog stops it if oomless
+   dies (child.py).
 3. When it ends with an error: diagnose the log and the events the protected
    Trainer wrote. An OOM gets the smallest change that keeps the effective
-   batch (configs.choose_change), written into a copy of the configuration
-   (the original is never written); the command is relaunched with the copy,
+   batch and that no setting which already ran out of memory rules out
+   (configs.choose_change), written into a copy of the configuration (the
+   original is never written); the command is relaunched with the copy,
    resuming from the last complete ``checkpoint-N`` of ``output_dir``.
-   Anything else, or ``--max-restarts`` used up, ends the run.
+   A signal, anything else, or ``--max-restarts`` used up, ends the run.
 4. Write the report (``oomless report`` of the run folder).
 """
 
