@@ -142,7 +142,10 @@ class Supervisor:
         self.failed: list[Setting] = []  # settings that ran out of memory, every attempt
 
     def say(self, text: str) -> None:
-        print(f"oomless run: {text}", file=sys.stderr, flush=True)
+        try:
+            print(f"oomless run: {text}", file=sys.stderr, flush=True)
+        except OSError:  # the terminal is gone (SIGHUP): events.jsonl has every message
+            pass
 
     def event(self, kind: str, message: str, **data: Any) -> None:
         self.log.event(kind, message, None, **data)
