@@ -126,12 +126,13 @@ def change_summary(ctx: ProtectContext, args: Any) -> str:
         return f"protect: no out-of-memory error, nothing changed; {where}"
     parts = []
     if train:
+        unit = "pairs" if ctx.layout.pairs else "rows"
+        effective = (args.per_device_train_batch_size * args.gradient_accumulation_steps
+                     * args.world_size)
         parts.append(f"{train} training OOM(s) recovered: {ctx.chunk_rows} of "
-                     f"{args.per_device_train_batch_size} rows per forward"
+                     f"{args.per_device_train_batch_size} {unit} per forward"
                      + (", gradient checkpointing switched on" if ctx.grad_ckpt else "")
-                     + f"; the effective batch "
-                     f"({args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size})"
-                     " and its samples unchanged")
+                     + f"; the effective batch ({effective}) and its samples unchanged")
     if evals:
         parts.append(f"{evals} evaluation OOM(s) recovered: {ctx.eval_rows} of "
                      f"{args.per_device_eval_batch_size} rows per prediction step")
