@@ -184,7 +184,7 @@ def test_a_fix_given_as_flags_names_no_copy_that_was_never_written(tmp_path, mon
     diagnosis = diagnose_log(_training_oom_log(), sup.view)
     failed = failed_settings(sup.view, [], "train")
     change = choose_change(sup.view, diagnosis, [], failed)
-    assert change.text.endswith("out of memory already with micro batch 8 with gradient "
+    assert change.text.endswith("; tried and out of memory: micro batch 8 with gradient "
                                 "checkpointing")
     assert sup._apply(change, 2, "restart")
     (restart,) = read_events(tmp_path / "run", "restart")

@@ -260,7 +260,7 @@ def choose_change(view: ConfigView, diagnosis: Any, events: list[dict],
                  if not any(f.covers(s) for f in known)), None)
     if pick is None:
         return None
-    why = "; out of memory already with " + ", ".join(dict.fromkeys(f.text for f in known))
+    why = "; tried and out of memory: " + ", ".join(dict.fromkeys(f.text for f in known))
     if pick.micro_batch_size == micro:
         return Change({"grad_ckpt": True}, "gradient checkpointing on (micro batch already "
                       f"{micro}){why}", "train")

@@ -286,8 +286,8 @@ class Supervisor:
         change = choose_change(self.view, diagnosis, events, self.failed)
         if change is None:
             tried = ", ".join(dict.fromkeys(f.text for f in self.failed)) or "its settings"
-            self.event("no_fix", "no change that keeps the effective batch is left: out of "
-                       f"memory already with {tried} (or the configuration is not readable); "
+            self.event("no_fix", "no change that keeps the effective batch is left (tried and "
+                       f"out of memory: {tried}; or the configuration is not readable): "
                        "lower the sequence length, quantize or shard the model; see "
                        f"`oomless diagnose {log_path}`",
                        failed=[vars(f) for f in self.failed])
