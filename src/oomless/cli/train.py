@@ -41,6 +41,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
+def utf8_path(path: str, option: str) -> str:
+    """``path`` when it is text oomless can write into its run files (UTF-8), else a
+    ConfigError: a name in another encoding arrives as undecodable bytes."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        from ..errors import ConfigError
+
+        shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise ConfigError(f"{option} '{shown}' is not valid UTF-8; oomless records the folder "
+                          "in its run files (JSON, YAML), which hold UTF-8 text: choose a "
+                          "folder name in UTF-8") from None
+    return path
+
+
 def quiet_libraries() -> None:
     """Hide transformers' per-load progress bars and advisory warnings."""
     import os
@@ -90,6 +105,7 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args.config)
     if args.output_dir:
+        utf8_path(args.output_dir, "--output-dir")
         cfg = cfg.replace(**{"training.output_dir": args.output_dir})
     if cfg.world_size > 1 and "WORLD_SIZE" not in os.environ:
         from ..runtime.train.launch import launch
