@@ -23,6 +23,7 @@ from .events import (
     NO_EVENT,
     PROCESS_KILLED,
     VLLM_KINDS,
+    VLLM_SAMPLER,
     Diagnosis,
     Finding,
     Fix,
@@ -138,11 +139,44 @@ def _with_vllm_profile(log: LogText, event: OomEvent) -> OomEvent:
     return replace(event, numbers={**profile, **event.numbers})
 
 
-def find_events(log: LogText) -> tuple[list[OomEvent], list[str]]:
+# A log that shows a vLLM engine starting and no training loop is a serving log: its
+# GPU errors get serving fixes even without a vLLM frame in their traceback
+_SERVING = ("Initializing a V1 LLM engine", "Initializing an LLM engine", "vLLM API server",
+            "vllm.entrypoints", "EngineCore", "vllm serve ", "(VllmWorker", "(APIServer pid=",
+            "multiproc_executor.py")
+_TRAINING = ("trainer.py", "training_step", ".backward(", "'loss':", "optimizer.step")
+
+
+def _serving_log(text: str) -> bool:
+    return any(m in text for m in _SERVING) and not any(m in text for m in _TRAINING)
+
+
+def _fold_sampler(events: list[OomEvent], log: LogText) -> list[OomEvent]:
+    """vLLM re-raises the sampler's torch OOM as "CUDA out of memory occurred when warming
+    up sampler": one failure, read as the sampler event with the torch message's numbers."""
+    out = list(events)
+    for s in [e for e in events if e.kind == VLLM_SAMPLER]:
+        inner = [e for e in out if e.kind in GPU_KINDS and 0 <= log.raw_number(s.line)
+                 - log.raw_number(e.line) <= _ECHO_LINES and _same_stream(e, s)]
+        if inner:
+            at = out.index(s)
+            out[at] = replace(s, numbers={**inner[-1].numbers, **s.numbers},
+                              processes=inner[-1].processes, frames=inner[-1].frames)
+            out = [e for e in out if e not in inner]
+    return out
+
+
+def find_events(log: LogText, serving: bool = False) -> tuple[list[OomEvent], list[str]]:
+    """Every event of the log; ``serving``: the log is a serving engine's (its GPU errors
+    get serving fixes, see :func:`_serving_log`)."""
     vllm = list(find_vllm_events(log))
     raw = [*repair(log, list(find_gpu_events(log))), *vllm, *find_vllm_fragments(log, vllm),
            *find_host_events(log)]
     events = _merge([_with_vllm_profile(log, _with_traceback(log, e)) for e in raw], log)
+    events = _fold_sampler(events, log)
+    if serving:
+        events = [replace(e, library="vllm") if e.kind in GPU_KINDS and e.library is None
+                  else e for e in events]
     notes: list[str] = []
     gpu = [e for e in events if e.kind in GPU_KINDS]
     collateral = [e for e in events if e.kind == PROCESS_KILLED and e.source != "kernel"]
@@ -255,7 +289,7 @@ def diagnose_text(text: str, cfg: RunConfig | None = None, cluster: Cluster | No
     the log line of each line of ``text`` when it is an excerpt.
     """
     log = LogText(text, line_numbers)
-    events, notes = find_events(log)
+    events, notes = find_events(log, _serving_log(text))
     first = None
     if events:
         first = sum(len(line.text) + 1 for line in log.lines[: events[0].line - 1])
