@@ -156,3 +156,62 @@ def test_the_edited_training_arguments_are_accepted_by_hf_argument_parser(tmp_pa
     fix = result.fix["config"]
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (
         fix["micro_batch_size"], fix["grad_accum"])
+
+
+def _hf_fields() -> set[str]:
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    return {f.name for f in dataclasses.fields(TrainingArguments)}
+
+
+@pytest.mark.slow  # checks every corpus case (~75) and imports transformers and DeepSpeed
+def test_every_corpus_fix_is_valid_for_the_tool_that_reads_it(tmp_path, monkeypatch):
+    """Each printed fix: DeepSpeed JSON parses, keeps every "auto" and is accepted by
+    transformers' HfTrainerDeepSpeedConfig and DeepSpeed's DeepSpeedConfig; a
+    TrainingArguments JSON or launch script's TrainingArguments keys parse with
+    HfArgumentParser; a referenced DeepSpeed file exists after --write."""
+    from test_corpus import CASES, _auto_batch_alone, _copy
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from oomless.check.shellargs import parse_launch, typed
+
+    fields = _hf_fields()
+    checked = 0
+    for names, (gpu, extra) in sorted(CASES.items()):
+        if _auto_batch_alone(names):
+            continue
+        case = tmp_path / "+".join(n.replace("/", "_") for n in names)
+        case.mkdir()
+        paths = _copy(case, names)
+        monkeypatch.chdir(case)
+        result = check(CheckOptions(files=tuple(map(str, paths)), gpu=gpu, **extra))
+        for path, text in result.new_texts.items():
+            old = Path(path).read_text() if Path(path).exists() else ""
+            if path.endswith(".json") and "zero_optimization" in text:
+                new = json.loads(text)
+                assert _autos(new) >= (_autos(json.loads(old)) if old else set()), path
+            elif path.endswith((".yaml", ".yml")):
+                import yaml
+
+                ref = (yaml.safe_load(text) or {}).get("deepspeed")
+                was = (yaml.safe_load(old) or {}).get("deepspeed") if old else None
+                assert not isinstance(ref, str) or ref == was or Path(ref).is_file() \
+                    or str(Path(ref).resolve()) in {str(Path(p).resolve())
+                                                    for p in result.new_texts}, ref
+            elif path.endswith(".sh"):
+                args = {k: v for k, v in parse_launch(text, path).args.items() if k in fields}
+                values = {k: typed(a.values) for k, a in args.items()}
+                # the DeepSpeed engine is not started here; tf32 asks for an Ampere GPU
+                values = {k: v for k, v in values.items() if k not in ("deepspeed", "tf32")}
+                HfArgumentParser(TrainingArguments).parse_dict(
+                    {**values, "output_dir": "out", "use_cpu": True}, allow_extra_keys=True)
+                ref, was = (typed(a["deepspeed"].values) if "deepspeed" in a else None
+                            for a in (parse_launch(text, path).args,
+                                      parse_launch(old, path).args))
+                assert ref == was or Path(ref).is_file() \
+                    or str(Path(ref).resolve()) in {str(Path(p).resolve())
+                                                    for p in result.new_texts}, ref
+            checked += 1
+    assert checked >= 10
