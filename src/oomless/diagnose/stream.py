@@ -93,6 +93,10 @@ class Excerpt:
         return "\n".join(self.lines)
 
 
+# the characters str.splitlines breaks at
+_BREAKS = frozenset("\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029")
+
+
 def _raw_lines(stream: BinaryIO) -> Iterator[list[str]]:
     """The log's lines (as ``str.splitlines`` splits them), a chunk at a time, each cut
     at LINE_CHARS; a line longer than a chunk is never held whole."""
@@ -103,22 +107,16 @@ def _raw_lines(stream: BinaryIO) -> Iterator[list[str]]:
         text = carry + decoder.decode(data, final=not data)
         if not text:
             return
-        pieces = text.splitlines(keepends=True)
+        lines = text.splitlines()
         carry = ""
-        if data and pieces and (not pieces[-1].endswith(("\n", "\r")) or pieces[-1].endswith("\r")):
-            carry = pieces.pop()  # the line goes on (or "\r" may be half of "\r\n")
-            if len(carry) > LINE_CHARS + 2:
-                carry = carry[:LINE_CHARS]  # the rest of this long line is dropped
-        yield [_bare(p)[:LINE_CHARS] for p in pieces]
+        if data and lines and (text[-1] not in _BREAKS or text[-1] == "\r"):
+            # the last line goes on in the next chunk ("\r" may be half of "\r\n")
+            carry = lines.pop()[:LINE_CHARS] + ("\r" if text[-1] == "\r" else "")
+        if lines and max(map(len, lines)) > LINE_CHARS:
+            lines = [line[:LINE_CHARS] for line in lines]
+        yield lines
         if not data:
-            if carry:
-                yield [_bare(carry)]
             return
-
-
-def _bare(piece: str) -> str:
-    """A line without its line break (any that ``str.splitlines`` splits at)."""
-    return (piece.splitlines() or [""])[0]
 
 
 def excerpt(stream: BinaryIO) -> Excerpt:
