@@ -113,3 +113,12 @@ def test_the_oldest_wording_is_read():
 def test_a_message_inside_json_is_read():
     f = only("gladia_802_json_detail_20_samples.log")
     assert f.event.numbers["requested_bytes"] == 20 * GiB
+
+
+def test_the_one_process_listed_in_a_container_is_this_process_not_another():
+    # NVML lists host pids inside a container: "Process 2271801 has 23.44 GiB" is the
+    # failing rank itself (22.87 GiB allocated by its PyTorch + its CUDA context)
+    f = only("llamafactory_7781_eval_predict_rank6_4090.log")
+    assert f.event.rank == 6 and f.event.device == 6
+    assert abs(f.event.numbers["requested_bytes"] - as_bytes("270.00", "MiB")) < 1024
+    assert "other_process" not in codes(f.causes)
