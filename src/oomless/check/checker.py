@@ -34,7 +34,7 @@ from .reading import ReadOptions, edits_for, read_sources
 from .rules import RuleContext, allowed_shardings, broken_rules, config_warnings
 from .settings import apply_data, unmodelled_settings
 from .sources import Reading, load_source, source_from_text
-from .textedit import set_value, unified_diff
+from .textedit import new_file_diff, set_value, unified_diff
 
 CANDIDATES = 40  # planner candidates tried against the rules, smallest change first
 
@@ -77,6 +77,7 @@ class CheckResult:
     warnings: list[str] = field(default_factory=list)  # keys no version of the tool knows
     refused: list[str] = field(default_factory=list)  # candidate fixes a rule refused
     assumptions: list[str] = field(default_factory=list)
+    task: str = "train"  # or what a file that does not train runs (check/tasks.py TASKS)
 
     @property
     def fits(self) -> bool:
@@ -250,10 +251,20 @@ _BATCH_KEYS = {"micro_batch_size", "grad_accum"}
 
 def _written(s: _Search, plan: Any) -> tuple[dict[str, str], dict[str, str]] | None:
     """The plan as edits of the files (diffs, new texts), read back to make sure the
-    edited files say what the plan says; None when the format cannot write the batch."""
+    edited files say what the plan says; None when the format cannot write the batch.
+    A DeepSpeed file the fix points to and the checkout lacks is a new file here
+    (check/dsfiles.py deepspeed_ref), read back with the edited configuration."""
+    from .dsfiles import PENDING
+
     new = plan.run_config()
+    s.reading.facts["new_files"] = {}
     texts = apply_edits(s.reading, edits_for(s.reading, new, s.cfg, s.spec.model_type))
-    back_reading = _reread(s.reading, texts, s.opts)
+    created: dict[str, str] = s.reading.facts.pop("new_files")
+    token = PENDING.set({Path(p).resolve(): t for p, t in created.items()})
+    try:
+        back_reading = _reread(s.reading, texts, s.opts)
+    finally:
+        PENDING.reset(token)
     back = run_config(apply_data(back_reading, s.opts, s.spec), s.opts, s.cluster, s.spec)
     wrong = {k for k, _l, _w in PLAN_KNOBS if _get(back, k) != _get(new, k)}
     if wrong and wrong <= _BATCH_KEYS and s.reading.facts.get("batch_not_in_file"):
@@ -266,6 +277,9 @@ def _written(s: _Search, plan: Any) -> tuple[dict[str, str], dict[str, str]] | N
         if texts[role] != src.text:
             diffs[str(src.path)] = unified_diff(src.text, texts[role], diff_name(src.path))
             new_texts[str(src.path)] = texts[role]
+    for path, text in created.items():
+        diffs[path] = new_file_diff(text, diff_name(Path(path)))
+        new_texts[path] = text
     return diffs, new_texts
 
 
@@ -310,10 +324,41 @@ def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
     return entry.spec
 
 
+def check_task(src: Any, task: str, opts: CheckOptions) -> CheckResult:
+    """``oomless check`` of a file that does not train (check/tasks.py): the memory of
+    what it runs, never a fix."""
+    from ..memory.band import band_bytes
+    from .tasks import LABELS, task_memory
+
+    d = src.data
+    reading = Reading(task, LABELS[task], {"main": src},
+                      {"model": d.get("model" if task == "vllm-serve" else "model_name_or_path")})
+    spec = resolve(reading, opts)
+    cluster = _cluster(opts, {})
+    mem = task_memory(task, d, spec, cluster)
+    total = cluster.gpu.memory_bytes
+    limit, peak = mem["limit"] or total, mem["peak"]
+    low, high = band_bytes(peak)
+    return CheckResult(
+        kind=task, label=LABELS[task], files=[str(src.path)], model=spec.name,
+        hardware=cluster.describe(), config={}, phase_device_bytes={mem["phase"]: peak},
+        device_peak_bytes=peak, peak_phase=mem["phase"], gpu_memory_bytes=limit,
+        budget_bytes=limit if mem["limit"] else int((1 - opts.headroom) * total),
+        oom_phase=mem["phase"] if peak > limit else None, low_bytes=low, high_bytes=high,
+        notes=[*reading.notes, *mem["notes"]], assumptions=mem["assumptions"], task=task)
+
+
 def check(opts: CheckOptions) -> CheckResult:
     from ..memory.band import band_bytes
     from ..planner.speed import ASSUMPTIONS
 
+    if len(opts.files) == 1:
+        from .tasks import file_task
+
+        src = load_source(opts.files[0], "main")
+        task = file_task(src)
+        if task != "train":
+            return check_task(src, task, opts)
     reading = read_files(opts)
     spec = resolve(reading, opts)
     cluster = _cluster(opts, reading.run)

@@ -59,7 +59,8 @@ def render_check(r: Any, done: list[str] = ()) -> None:  # type: ignore[assignme
               soft_wrap=True)
     for warning in r.warnings:
         out.print(f"[yellow]warning:[/] {esc(warning)}", soft_wrap=True, highlight=False)
-    out.print(f"read as: {read_as(r.config)}", soft_wrap=True)
+    out.print(f"read as: {read_as(r.config) if r.task == 'train' else r.task + ' (not training)'}",
+              soft_wrap=True)
     phases = ", ".join(
         f"{p} {fmt_bytes(v)}" + (" [red]✗[/]" if v > r.gpu_memory_bytes else "")
         for p, v in r.phase_device_bytes.items())
@@ -77,7 +78,7 @@ def render_check(r: Any, done: list[str] = ()) -> None:  # type: ignore[assignme
         for diff in r.diffs.values():
             sys.stdout.write(diff)
         sys.stdout.flush()
-    elif not r.within_budget:
+    elif not r.within_budget and r.task == "train":
         out.print("no change this file can express fits; run `oomless plan` for other "
                   "methods, GPUs or sharding")
     for line in r.refused:

@@ -73,8 +73,13 @@ def write_outputs(result, args: argparse.Namespace) -> list[str]:
         done.append(f"wrote the diff to {args.diff_out}")
     if args.write and result.new_texts:
         for path in result.new_texts:
-            _refuse_existing(f"{path}.orig", args.force, "backup")
+            if Path(path).exists():
+                _refuse_existing(f"{path}.orig", args.force, "backup")
         for path, text in result.new_texts.items():
+            if not Path(path).exists():  # a DeepSpeed file the fix points to
+                write_atomic(path, text)
+                done.append(f"wrote {path} (new: the DeepSpeed file the fix points to)")
+                continue
             original = Path(path).read_bytes()
             write_atomic(f"{path}.orig", original)
             write_atomic(path, text)
