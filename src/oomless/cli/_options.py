@@ -52,6 +52,40 @@ def number(low: float = 0.0, high: float = MAX_NUMBER, low_open: bool = False,
     return parse
 
 
+def lengths_list(text: str) -> list[int]:
+    """An argparse type: comma-separated token lengths, e.g. 180,420,768."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token lengths such as 180,420,768, got {text!r}")
+    return values
+
+
+def add_run_sim_options(p: argparse.ArgumentParser) -> None:
+    """A run over variable-length data through the caching-allocator model."""
+    from ..planner.runsim import DEFAULT_STEPS, ORDERS
+
+    g = p.add_argument_group(
+        "a run, not a step: variable-length batches through PyTorch's caching allocator "
+        "(traces the step at three lengths)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--data", metavar="FILE", help="the training file (.json/.jsonl/.parquet): "
+                     "its samples' token lengths drive the steps")
+    src.add_argument("--lengths", type=lengths_list, metavar="L1,L2,…",
+                     help="sample lengths instead of a file (each equally frequent), "
+                          "e.g. p50,p90,max of your data: 180,420,768")
+    g.add_argument("--steps", type=count(1, 100_000), default=DEFAULT_STEPS,
+                   help=f"optimizer steps to replay ({DEFAULT_STEPS})")
+    g.add_argument("--order", choices=list(ORDERS), default="random",
+                   help="the loader's order: random shuffle (HF default), group_by_length, "
+                        "sorted (shortest first), packing")
+    g.add_argument("--seed", type=int, default=42, help="the loader's shuffle seed (42)")
+
+
 POSITIVE = count(1)
 NON_NEGATIVE = count(0)
 GIB = number(0.0, MAX_NUMBER, low_open=True)  # a memory size in GiB, > 0

@@ -8,7 +8,7 @@ ORDER = 10
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ._options import POSITIVE, UTILIZATION, add_run_options
+    from ._options import POSITIVE, UTILIZATION, add_run_options, add_run_sim_options
 
     p = sub.add_parser(
         "estimate",
@@ -21,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_run_options(p)
     p.add_argument("--json", action="store_true", help="print the MemoryEstimate as JSON")
     p.add_argument("--assumptions", action="store_true", help="list every approximation")
+    add_run_sim_options(p)
     inf = p.add_argument_group("inference (--inference)")
     inf.add_argument("--inference", action="store_true", help="estimate inference instead")
     inf.add_argument("--engine", choices=["hf", "vllm"], default="vllm")
@@ -40,13 +41,57 @@ def run(args: argparse.Namespace) -> int:
     from ..api import estimate
 
     est = estimate(cfg, expandable_segments=args.expandable_segments)
+    if args.data or args.lengths:
+        est = _with_run(est, cfg, args)
     if args.json:
         print(est.to_json())
     else:
         from ._render import render_estimate
 
         render_estimate(est, show_assumptions=args.assumptions)
+        if "run" in est.extra:
+            from ._render_check import render_run
+
+            render_run(est.extra["run"])
     return 0
+
+
+def _with_run(est, cfg, args: argparse.Namespace):
+    """The estimate with the run over the data (``extra["run"]``)."""
+    import dataclasses
+
+    from ..api import cluster_for
+    from ..models.catalog import resolve_model
+    from ..runtime.trace.run_stream import predict_run_for
+
+    resolved = resolve_model(cfg.model)
+    explicit = "seq_len" in cfg.model_fields_set
+    pack = None
+    if args.data:
+        from ..planner.datastats import profile_data
+
+        profile = profile_data(args.data, resolved.spec, resolved, fmt=cfg.data.format,
+                               seq_cap=cfg.seq_len if explicit else None)
+        samples = list(profile.file_order or profile.lengths)
+        cap = cfg.seq_len if explicit else profile.cutoffs[0].length
+        def pack(c):
+            return profile.rows(c, True)[0]
+        source = f"{args.data} ({profile.source})"
+    else:
+        samples, cap = args.lengths, (cfg.seq_len if explicit else max(args.lengths))
+        source = "--lengths " + ",".join(map(str, args.lengths))
+    alloc_conf = "expandable_segments:True" if args.expandable_segments else None
+    pred, stream = predict_run_for(cfg, samples, cluster=cluster_for(cfg), steps=args.steps,
+                                   order=args.order, seed=args.seed, cap=cap, pack=pack,
+                                   alloc_conf=alloc_conf, resolved=resolved)
+    run = {**pred.to_dict(), "source": source, "traced_lengths": list(stream.lengths),
+           "length_dependence": stream.degree_counts()}
+    note = (f"run: {pred.steps} steps over {source} in {args.order} order, the step traced "
+            f"at {', '.join(map(str, stream.lengths))} tokens and scaled per tensor "
+            "(constant, linear or quadratic in the length), replayed through the "
+            "caching-allocator model")
+    return dataclasses.replace(est, extra={**est.extra, "run": run},
+                               assumptions=(*est.assumptions, note))
 
 
 def _inference(args: argparse.Namespace, cfg) -> int:

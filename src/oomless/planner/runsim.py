@@ -1,0 +1,167 @@
+"""A run over the user's data through the caching allocator, and the fixes it suggests.
+
+Step lengths follow the loader (torch-free):
+
+- ``random``: HF Trainer's RandomSampler, a shuffle with the seed (Python's
+  generator: the same distribution of orders as torch's, not the same order);
+- ``group_by_length``: transformers' ``get_length_grouped_indices`` —
+  a shuffle, cut into mega-batches of min(n // (4·batch), 50) batches, each
+  sorted longest first, the mega-batch holding the longest sample first;
+- ``sorted``: shortest first (what a length-sorted dataset gives; memory only
+  grows, the worst case for a caching allocator that keeps blocks);
+- ``packing``: samples concatenated in file order into rows of at most the
+  length cap (oomless.planner.datastats ``DataProfile.rows``), rows shuffled.
+
+A micro batch is padded to its longest row. Each optimizer step's length is its
+longest micro batch's (a traced step runs its micro batches at one length).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..allocator import AllocatorConfig
+from ..allocator.run import RunReport, simulate_run
+from ..allocator.stepstream import ScaledStream
+from ..errors import ConfigError
+
+ORDERS = ("random", "group_by_length", "sorted", "packing")
+MEGA_BATCH_MAX = 50  # transformers' default mega_batch_mult cap
+DEFAULT_STEPS = 200
+
+
+def loader_order(lengths: Sequence[int], batch: int, order: str, seed: int = 42) -> list[int]:
+    """Sample lengths in the order the loader yields them."""
+    idx = list(range(len(lengths)))
+    if order == "sorted":
+        return sorted(lengths)
+    random.Random(seed).shuffle(idx)
+    if order in ("random", "packing"):
+        return [lengths[i] for i in idx]
+    if order != "group_by_length":
+        raise ConfigError(f"--order '{order}': expected one of {', '.join(ORDERS)}")
+    mult = max(1, min(len(lengths) // (batch * 4), MEGA_BATCH_MAX))
+    size = mult * batch
+    megas = [sorted(idx[i:i + size], key=lambda j: lengths[j], reverse=True)
+             for i in range(0, len(idx), size)]
+    top = max(range(len(megas)), key=lambda m: lengths[megas[m][0]])
+    megas[0][0], megas[top][0] = megas[top][0], megas[0][0]
+    return [lengths[j] for mega in megas for j in mega]
+
+
+def step_lengths(lengths: Sequence[int], *, batch: int, grad_accum: int, steps: int,
+                 order: str, cap: int, seed: int = 42,
+                 pack: Any = None) -> list[int]:
+    """The padded length of each optimizer step; epochs repeat with the next seed."""
+    if not lengths:
+        raise ConfigError("the run simulation needs at least one sample length")
+    out: list[int] = []
+    per_step = batch * grad_accum
+    epoch = 0
+    while len(out) < steps:
+        rows = pack(cap) if order == "packing" and pack else [min(x, cap) for x in lengths]
+        seq = loader_order(rows, batch, order, seed + epoch)
+        for s in range(0, len(seq) - per_step + 1 if len(seq) >= per_step else 1, per_step):
+            out.append(max(seq[s:s + per_step]))
+            if len(out) == steps:
+                break
+        epoch += 1
+    return out
+
+
+@dataclass(frozen=True)
+class RunPrediction:
+    """The run with the user's settings, with expandable segments, and fixes."""
+
+    order: str
+    steps: int
+    capacity_bytes: int | None
+    lengths: dict[str, int]  # p50, p90, max of the step lengths
+    default: RunReport
+    expandable: RunReport
+    fixes: tuple[dict[str, Any], ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def verdict(self) -> str:
+        """fits | fits only with expandable_segments | out of memory | unknown (no GPU)."""
+        if self.capacity_bytes is None:
+            return "no GPU named"
+        if self.default.fits:
+            return "fits"
+        if self.expandable.fits:
+            return "fits only with expandable_segments"
+        return "out of memory"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"order": self.order, "steps": self.steps,
+                "capacity_bytes": self.capacity_bytes, "lengths": self.lengths,
+                "verdict": self.verdict(), "default": self.default.to_dict(),
+                "expandable_segments": self.expandable.to_dict(),
+                "fixes": list(self.fixes), "notes": list(self.notes)}
+
+
+def _pct(values: Sequence[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, -(-len(ordered) * q // 100) - 1))]
+
+
+def predict_run(stream: ScaledStream, samples: Sequence[int], *, batch: int, grad_accum: int,
+                steps: int, order: str, cap: int, capacity_bytes: int | None,
+                alloc_conf: AllocatorConfig | None = None, seed: int = 42,
+                pack: Any = None, fixes: bool = True) -> RunPrediction:
+    """Replay the run (and, where it fails, the candidate fixes) through the allocator."""
+    base = replace(alloc_conf or AllocatorConfig(), capacity_bytes=capacity_bytes)
+    expandable = replace(base, expandable_segments=True)
+    lens = step_lengths(samples, batch=batch, grad_accum=grad_accum, steps=steps, order=order,
+                        cap=cap, seed=seed, pack=pack)
+    default = simulate_run(stream, lens, base)
+    exp = default if base.expandable_segments else simulate_run(stream, lens, expandable)
+    found: list[dict[str, Any]] = []
+    if fixes and capacity_bytes is not None and not default.fits:
+        found = _fixes(stream, samples, batch=batch, grad_accum=grad_accum, steps=steps,
+                       order=order, cap=cap, config=base, seed=seed, pack=pack,
+                       expandable=exp)
+    summary = {"p50": _pct(lens, 50), "p90": _pct(lens, 90), "max": max(lens)}
+    return RunPrediction(order, len(lens), capacity_bytes, summary, default, exp, tuple(found))
+
+
+# how much each fix changes the run, smallest first: an allocator setting, the
+# loader's order, packing (changes the batches), a length cap (drops tokens)
+FIX_RANK = {"expandable_segments": 0, "group_by_length": 1, "packing": 2}
+
+
+def _fix(name: str, change: str, report: RunReport) -> dict[str, Any]:
+    return {"fix": name, "change": change, "fits": report.fits,
+            "high_water_bytes": report.high_water_bytes,
+            "fragmentation_bytes": report.fragmentation_bytes,
+            "oom_step": report.oom_step}
+
+
+def _fixes(stream: ScaledStream, samples: Sequence[int], *, batch: int, grad_accum: int,
+           steps: int, order: str, cap: int, config: AllocatorConfig, seed: int, pack: Any,
+           expandable: RunReport) -> list[dict[str, Any]]:
+    """Each fix replayed; those that fit first, the smallest change first (FIX_RANK)."""
+    out = []
+    if not config.expandable_segments:
+        out.append(_fix("expandable_segments", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+                        expandable))
+    for new_order, change in (("group_by_length", "group_by_length: true"),
+                              ("packing", "packing: true")):
+        if order != new_order and (new_order != "packing" or pack is not None):
+            lens = step_lengths(samples, batch=batch, grad_accum=grad_accum, steps=steps,
+                                order=new_order, cap=cap, seed=seed, pack=pack)
+            out.append(_fix(new_order, change, simulate_run(stream, lens, config)))
+    ordered = sorted(min(x, cap) for x in samples)
+    for q in (99.0, 95.0):
+        limit = _pct(ordered, q)
+        if limit < min(cap, ordered[-1]):
+            lens = step_lengths(samples, batch=batch, grad_accum=grad_accum, steps=steps,
+                                order=order, cap=limit, seed=seed, pack=pack)
+            cut = sum(1 for x in ordered if x > limit)
+            out.append(_fix(f"cap at p{q:g}", f"max length {limit} (truncates {cut} of "
+                            f"{len(ordered)} samples)", simulate_run(stream, lens, config)))
+            break
+    return sorted(out, key=lambda f: (not f["fits"], FIX_RANK.get(f["fix"], 3)))
