@@ -18,6 +18,7 @@ longest micro batch's (a traced step runs its micro batches at one length).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -105,7 +106,7 @@ class RunPrediction:
 
 def _pct(values: Sequence[int], q: float) -> int:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, -(-len(ordered) * q // 100) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(len(ordered) * q / 100) - 1))]
 
 
 def predict_run(stream: ScaledStream, samples: Sequence[int], *, batch: int, grad_accum: int,
