@@ -65,21 +65,24 @@ def lengths_list(text: str) -> list[int]:
     return values
 
 
-def add_run_sim_options(p: argparse.ArgumentParser) -> None:
-    """A run over variable-length data through the caching-allocator model."""
+def add_run_sim_options(p: argparse.ArgumentParser, check: bool = False) -> None:
+    """A run over variable-length data through the caching-allocator model (``check``:
+    the command has its own --data, and the run is replayed only with --steps)."""
     from ..planner.runsim import DEFAULT_STEPS, ORDERS
 
     g = p.add_argument_group(
         "a run, not a step: variable-length batches through PyTorch's caching allocator "
         "(traces the step at three lengths)")
-    src = g.add_mutually_exclusive_group()
-    src.add_argument("--data", metavar="FILE", help="the training file (.json/.jsonl/.parquet): "
-                     "its samples' token lengths drive the steps")
-    src.add_argument("--lengths", type=lengths_list, metavar="L1,L2,…",
-                     help="sample lengths instead of a file (each equally frequent), "
-                          "e.g. p50,p90,max of your data: 180,420,768")
-    g.add_argument("--steps", type=count(1, 100_000), default=DEFAULT_STEPS,
-                   help=f"optimizer steps to replay ({DEFAULT_STEPS})")
+    if not check:
+        src = g.add_mutually_exclusive_group()
+        src.add_argument("--data", metavar="FILE", help="the training file (.json/.jsonl/"
+                         ".parquet): its samples' token lengths drive the steps")
+        src.add_argument("--lengths", type=lengths_list, metavar="L1,L2,…",
+                         help="sample lengths instead of a file (each equally frequent), "
+                              "e.g. p50,p90,max of your data: 180,420,768")
+    g.add_argument("--steps", type=count(1, 100_000), default=None if check else DEFAULT_STEPS,
+                   help="with --data: replay this many optimizer steps" if check else
+                   f"optimizer steps to replay ({DEFAULT_STEPS})")
     g.add_argument("--order", choices=list(ORDERS), default="random",
                    help="the loader's order: random shuffle (HF default), group_by_length, "
                         "sorted (shortest first), packing")

@@ -60,38 +60,14 @@ def _with_run(est, cfg, args: argparse.Namespace):
     """The estimate with the run over the data (``extra["run"]``)."""
     import dataclasses
 
-    from ..api import cluster_for
-    from ..models.catalog import resolve_model
-    from ..runtime.trace.run_stream import predict_run_for
+    from ..runtime.trace.run_stream import run_over
 
-    resolved = resolve_model(cfg.model)
-    explicit = "seq_len" in cfg.model_fields_set
-    pack = None
-    if args.data:
-        from ..planner.datastats import profile_data
-
-        profile = profile_data(args.data, resolved.spec, resolved, fmt=cfg.data.format,
-                               seq_cap=cfg.seq_len if explicit else None)
-        samples = list(profile.file_order or profile.lengths)
-        cap = cfg.seq_len if explicit else profile.cutoffs[0].length
-        def pack(c):
-            return profile.rows(c, True)[0]
-        source = f"{args.data} ({profile.source})"
-    else:
-        samples, cap = args.lengths, (cfg.seq_len if explicit else max(args.lengths))
-        source = "--lengths " + ",".join(map(str, args.lengths))
-    alloc_conf = "expandable_segments:True" if args.expandable_segments else None
-    pred, stream = predict_run_for(cfg, samples, cluster=cluster_for(cfg), steps=args.steps,
-                                   order=args.order, seed=args.seed, cap=cap, pack=pack,
-                                   alloc_conf=alloc_conf, resolved=resolved)
-    run = {**pred.to_dict(), "source": source, "traced_lengths": list(stream.lengths),
-           "length_dependence": stream.degree_counts()}
-    note = (f"run: {pred.steps} steps over {source} in {args.order} order, the step traced "
-            f"at {', '.join(map(str, stream.lengths))} tokens and scaled per tensor "
-            "(constant, linear or quadratic in the length), replayed through the "
-            "caching-allocator model")
+    run = run_over(cfg, data=args.data, lengths=args.lengths, steps=args.steps,
+                   order=args.order, seed=args.seed,
+                   cap=cfg.seq_len if "seq_len" in cfg.model_fields_set else None,
+                   alloc_conf="expandable_segments:True" if args.expandable_segments else None)
     return dataclasses.replace(est, extra={**est.extra, "run": run},
-                               assumptions=(*est.assumptions, note))
+                               assumptions=(*est.assumptions, run["assumption"]))
 
 
 def _inference(args: argparse.Namespace, cfg) -> int:

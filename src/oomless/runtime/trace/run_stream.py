@@ -124,3 +124,40 @@ def predict_run_for(cfg: RunConfig, samples: list[int], *, cluster: Cluster | No
                        capacity_bytes=capacity_bytes(cluster, cfg.world_size),
                        alloc_conf=AllocatorConfig.from_conf(alloc_conf), seed=seed, pack=pack)
     return pred, stream
+
+
+def run_over(cfg: RunConfig, *, data: str | None = None, lengths: list[int] | None = None,
+             steps: int, order: str, seed: int = 42, cap: int | None = None,
+             alloc_conf: str | None = None) -> dict[str, Any]:
+    """The run of ``cfg`` over a data file's samples (tokenized as ``plan --data`` does)
+    or over given lengths, as a JSON-ready dict (``RunPrediction.to_dict`` + sources).
+    ``cap``: the longest a sample may be (truncation); None: the data's longest."""
+    from ...api import cluster_for
+    from ...models.catalog import resolve_model
+
+    resolved = resolve_model(cfg.model)
+    pack = None
+    if data:
+        from ...planner.datastats import profile_data
+
+        profile = profile_data(data, resolved.spec, resolved, fmt=cfg.data.format, seq_cap=cap)
+        samples = list(profile.file_order or profile.lengths)
+        cap = cap or profile.cutoffs[0].length
+
+        def pack(c: int) -> list[int]:
+            return profile.rows(c, True)[0]
+
+        source = f"{data} ({profile.source})"
+    elif lengths:
+        samples, cap = list(lengths), cap or max(lengths)
+        source = "--lengths " + ",".join(map(str, lengths))
+    else:
+        raise ConfigError("a run simulation needs --data FILE or --lengths L1,L2,…")
+    pred, stream = predict_run_for(cfg, samples, cluster=cluster_for(cfg), steps=steps,
+                                   order=order, seed=seed, cap=cap, pack=pack,
+                                   alloc_conf=alloc_conf, resolved=resolved)
+    note = (f"run: {pred.steps} steps over {source} in {order} order, the step traced at "
+            f"{', '.join(map(str, stream.lengths))} tokens and scaled per tensor (constant, "
+            "linear or quadratic in the length), replayed through the caching-allocator model")
+    return {**pred.to_dict(), "source": source, "traced_lengths": list(stream.lengths),
+            "length_dependence": stream.degree_counts(), "assumption": note}
