@@ -183,3 +183,15 @@ def test_step_lengths_pad_to_the_longest_of_the_step():
     rows = step_lengths([5, 9, 3, 7], batch=1, grad_accum=1, steps=2, order="packing",
                         cap=10, pack=lambda cap: [8, 9, 7])
     assert set(rows) <= {8, 9, 7}
+
+
+def test_empty_cache_every_step_gives_back_what_earlier_lengths_left():
+    stream = scaled()
+    lengths = list(range(100, 1100, 50))
+    kept = simulate_run(stream, lengths)
+    emptied = simulate_run(stream, lengths, empty_cache_every=1)
+    # the cache of shorter steps is released before each longer one
+    assert emptied.high_water_bytes < kept.high_water_bytes
+    assert emptied.peak_allocated_bytes == kept.peak_allocated_bytes
+    # the counters of a step are read before its empty_cache (as a loop logs them)
+    assert emptied.curve[0].reserved_end_bytes == kept.curve[0].reserved_end_bytes

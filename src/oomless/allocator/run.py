@@ -116,8 +116,12 @@ def run_events(stream: ScaledStream, lengths: Sequence[int]) -> Iterator[tuple[i
 
 def simulate_run(stream: ScaledStream, lengths: Sequence[int],
                  config: AllocatorConfig | None = None,
-                 curve_points: int = CURVE_POINTS) -> RunReport:
-    """Replay ``len(lengths)`` steps (the i-th at ``lengths[i]``) through the allocator."""
+                 curve_points: int = CURVE_POINTS, empty_cache_every: int = 0) -> RunReport:
+    """Replay ``len(lengths)`` steps (the i-th at ``lengths[i]``) through the allocator.
+
+    ``empty_cache_every`` N > 0: ``torch.cuda.empty_cache()`` after every N-th step
+    (transformers' ``torch_empty_cache_steps``, or a loop's own schedule), after the
+    step's counters are read."""
     alloc = CachingAllocator(config)
     live: dict[Any, _Block] = {}
     points: list[StepPoint] = []
@@ -129,6 +133,8 @@ def simulate_run(stream: ScaledStream, lengths: Sequence[int],
         if step != current:
             points.append(StepPoint(current, lengths[current], step_alloc, step_res,
                                     alloc.reserved_bytes))
+            if empty_cache_every and (current + 1) % empty_cache_every == 0:
+                alloc.empty_cache()
             current, step_alloc, step_res = step, 0, 0
         if kind == ALLOC:
             if size <= 0:

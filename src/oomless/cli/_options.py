@@ -87,6 +87,9 @@ def add_run_sim_options(p: argparse.ArgumentParser, check: bool = False) -> None
                    help="the loader's order: random shuffle (HF default), group_by_length, "
                         "sorted (shortest first), packing")
     g.add_argument("--seed", type=int, default=42, help="the loader's shuffle seed (42)")
+    g.add_argument("--empty-cache-steps", type=count(1), metavar="N", default=0,
+                   help="the loop calls torch.cuda.empty_cache() every N steps "
+                        "(transformers' torch_empty_cache_steps)")
 
 
 POSITIVE = count(1)

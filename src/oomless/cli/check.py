@@ -117,4 +117,4 @@ def _run(result, args: argparse.Namespace) -> dict:
         raise ConfigError("--steps replays a run over the training data: give --data FILE")
     cfg = RunConfig.model_validate(result.config)
     return run_over(cfg, data=args.data, steps=args.steps, order=args.order, seed=args.seed,
-                    cap=cfg.seq_len)
+                    cap=cfg.seq_len, empty_cache_every=args.empty_cache_steps)

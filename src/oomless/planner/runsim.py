@@ -65,7 +65,7 @@ def step_lengths(lengths: Sequence[int], *, batch: int, grad_accum: int, steps: 
     while len(out) < steps:
         rows = pack(cap) if order == "packing" and pack else [min(x, cap) for x in lengths]
         seq = loader_order(rows, batch, order, seed + epoch)
-        for s in range(0, len(seq) - per_step + 1 if len(seq) >= per_step else 1, per_step):
+        for s in range(0, len(seq), per_step):  # the last, short batch too (drop_last False)
             out.append(max(seq[s:s + per_step]))
             if len(out) == steps:
                 break
@@ -112,17 +112,21 @@ def _pct(values: Sequence[int], q: float) -> int:
 def predict_run(stream: ScaledStream, samples: Sequence[int], *, batch: int, grad_accum: int,
                 steps: int, order: str, cap: int, capacity_bytes: int | None,
                 alloc_conf: AllocatorConfig | None = None, seed: int = 42,
-                pack: Any = None, fixes: bool = True) -> RunPrediction:
-    """Replay the run (and, where it fails, the candidate fixes) through the allocator."""
+                pack: Any = None, fixes: bool = True, empty_cache_every: int = 0) -> RunPrediction:
+    """Replay the run (and, where it fails, the candidate fixes) through the allocator.
+    ``empty_cache_every``: torch.cuda.empty_cache() after every N-th step (0: never)."""
     base = replace(alloc_conf or AllocatorConfig(), capacity_bytes=capacity_bytes)
     expandable = replace(base, expandable_segments=True)
     lens = step_lengths(samples, batch=batch, grad_accum=grad_accum, steps=steps, order=order,
                         cap=cap, seed=seed, pack=pack)
-    default = simulate_run(stream, lens, base)
-    exp = default if base.expandable_segments else simulate_run(stream, lens, expandable)
+    def sim(lengths: list[int], config: AllocatorConfig) -> RunReport:
+        return simulate_run(stream, lengths, config, empty_cache_every=empty_cache_every)
+
+    default = sim(lens, base)
+    exp = default if base.expandable_segments else sim(lens, expandable)
     found: list[dict[str, Any]] = []
     if fixes and capacity_bytes is not None and not default.fits:
-        found = _fixes(stream, samples, batch=batch, grad_accum=grad_accum, steps=steps,
+        found = _fixes(sim, samples, batch=batch, grad_accum=grad_accum, steps=steps,
                        order=order, cap=cap, config=base, seed=seed, pack=pack,
                        expandable=exp)
     summary = {"p50": _pct(lens, 50), "p90": _pct(lens, 90), "max": max(lens)}
@@ -141,7 +145,7 @@ def _fix(name: str, change: str, report: RunReport) -> dict[str, Any]:
             "oom_step": report.oom_step}
 
 
-def _fixes(stream: ScaledStream, samples: Sequence[int], *, batch: int, grad_accum: int,
+def _fixes(sim: Any, samples: Sequence[int], *, batch: int, grad_accum: int,
            steps: int, order: str, cap: int, config: AllocatorConfig, seed: int, pack: Any,
            expandable: RunReport) -> list[dict[str, Any]]:
     """Each fix replayed; those that fit first, the smallest change first (FIX_RANK)."""
@@ -154,7 +158,7 @@ def _fixes(stream: ScaledStream, samples: Sequence[int], *, batch: int, grad_acc
         if order != new_order and (new_order != "packing" or pack is not None):
             lens = step_lengths(samples, batch=batch, grad_accum=grad_accum, steps=steps,
                                 order=new_order, cap=cap, seed=seed, pack=pack)
-            out.append(_fix(new_order, change, simulate_run(stream, lens, config)))
+            out.append(_fix(new_order, change, sim(lens, config)))
     ordered = sorted(min(x, cap) for x in samples)
     for q in (99.0, 95.0):
         limit = _pct(ordered, q)
@@ -163,6 +167,6 @@ def _fixes(stream: ScaledStream, samples: Sequence[int], *, batch: int, grad_acc
                                 order=order, cap=limit, seed=seed, pack=pack)
             cut = sum(1 for x in ordered if x > limit)
             out.append(_fix(f"cap at p{q:g}", f"max length {limit} (truncates {cut} of "
-                            f"{len(ordered)} samples)", simulate_run(stream, lens, config)))
+                            f"{len(ordered)} samples)", sim(lens, config)))
             break
     return sorted(out, key=lambda f: (not f["fits"], FIX_RANK.get(f["fix"], 3)))

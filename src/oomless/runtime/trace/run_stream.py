@@ -109,7 +109,7 @@ def capacity_bytes(cluster: Cluster | None, world_size: int) -> int | None:
 def predict_run_for(cfg: RunConfig, samples: list[int], *, cluster: Cluster | None,
                     steps: int, order: str, seed: int = 42, cap: int | None = None,
                     pack: Any = None, alloc_conf: str | None = None,
-                    resolved: Any = None) -> tuple[Any, ScaledStream]:
+                    resolved: Any = None, empty_cache_every: int = 0) -> tuple[Any, ScaledStream]:
     """The run of ``cfg`` over ``samples`` (token lengths, in file order)."""
     from ...planner.runsim import predict_run, step_lengths
 
@@ -122,13 +122,14 @@ def predict_run_for(cfg: RunConfig, samples: list[int], *, cluster: Cluster | No
     pred = predict_run(stream, samples, batch=cfg.micro_batch_size, grad_accum=cfg.grad_accum,
                        steps=steps, order=order, cap=cap,
                        capacity_bytes=capacity_bytes(cluster, cfg.world_size),
-                       alloc_conf=AllocatorConfig.from_conf(alloc_conf), seed=seed, pack=pack)
+                       alloc_conf=AllocatorConfig.from_conf(alloc_conf), seed=seed, pack=pack,
+                       empty_cache_every=empty_cache_every)
     return pred, stream
 
 
 def run_over(cfg: RunConfig, *, data: str | None = None, lengths: list[int] | None = None,
              steps: int, order: str, seed: int = 42, cap: int | None = None,
-             alloc_conf: str | None = None) -> dict[str, Any]:
+             alloc_conf: str | None = None, empty_cache_every: int = 0) -> dict[str, Any]:
     """The run of ``cfg`` over a data file's samples (tokenized as ``plan --data`` does)
     or over given lengths, as a JSON-ready dict (``RunPrediction.to_dict`` + sources).
     ``cap``: the longest a sample may be (truncation); None: the data's longest."""
@@ -155,7 +156,8 @@ def run_over(cfg: RunConfig, *, data: str | None = None, lengths: list[int] | No
         raise ConfigError("a run simulation needs --data FILE or --lengths L1,L2,…")
     pred, stream = predict_run_for(cfg, samples, cluster=cluster_for(cfg), steps=steps,
                                    order=order, seed=seed, cap=cap, pack=pack,
-                                   alloc_conf=alloc_conf, resolved=resolved)
+                                   alloc_conf=alloc_conf, resolved=resolved,
+                                   empty_cache_every=empty_cache_every)
     note = (f"run: {pred.steps} steps over {source} in {order} order, the step traced at "
             f"{', '.join(map(str, stream.lengths))} tokens and scaled per tensor (constant, "
             "linear or quadratic in the length), replayed through the caching-allocator model")
