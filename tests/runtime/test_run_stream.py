@@ -69,3 +69,19 @@ def test_run_of_one_length_repeats_the_traced_step(eager):
     assert run.peak_allocated_bytes == traced.peak_allocated_bytes
     # from the third step on, every step is the same step (nothing accumulates)
     assert len({(p.peak_allocated_bytes, p.reserved_end_bytes) for p in run.curve[2:]}) == 1
+
+
+@pytest.mark.slow
+def test_real_model_run_that_fits_only_with_expandable_segments(eager):
+    from oomless.planner.runsim import predict_run
+
+    _, _, stream = eager
+    samples = [32, 48, 64, 80, 96, 112, 128, 160, 200]
+    free = predict_run(stream, samples, batch=1, grad_accum=1, steps=18, order="sorted",
+                       cap=200, capacity_bytes=None)
+    assert free.expandable.high_water_bytes < free.default.high_water_bytes
+    # a card with just what expandable segments reserve: the default allocator fails
+    pred = predict_run(stream, samples, batch=1, grad_accum=1, steps=18, order="sorted",
+                       cap=200, capacity_bytes=free.expandable.high_water_bytes)
+    assert pred.verdict() == "fits only with expandable_segments"
+    assert pred.fixes[0]["fix"] == "expandable_segments"
