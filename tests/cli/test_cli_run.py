@@ -52,3 +52,9 @@ def test_check_steps_needs_the_data(tmp_path: Path, capsys) -> None:
     assert rc == 2
     assert "--steps replays a run over the training data: give --data FILE" in \
         capsys.readouterr().err
+
+
+def test_bad_alloc_conf_stops_before_any_trace(capsys) -> None:
+    assert main(["estimate", "qwen2.5-0.5b", "--lengths", "10,20",
+                 "--alloc-conf", "max_split_size_mb:8"]) == 2
+    assert "max_split_size_mb:8 is too small" in capsys.readouterr().err

@@ -87,9 +87,24 @@ def add_run_sim_options(p: argparse.ArgumentParser, check: bool = False) -> None
                    help="the loader's order: random shuffle (HF default), group_by_length, "
                         "sorted (shortest first), packing")
     g.add_argument("--seed", type=int, default=42, help="the loader's shuffle seed (42)")
+    g.add_argument("--alloc-conf", metavar="CONF",
+                   help="PYTORCH_CUDA_ALLOC_CONF of the run, e.g. max_split_size_mb:256 "
+                        "(default: the environment's)")
     g.add_argument("--empty-cache-steps", type=count(1), metavar="N", default=0,
                    help="the loop calls torch.cuda.empty_cache() every N steps "
                         "(transformers' torch_empty_cache_steps)")
+
+
+def run_alloc_conf(args: argparse.Namespace) -> str | None:
+    """The run's PYTORCH_CUDA_ALLOC_CONF: --alloc-conf, else the environment's, plus
+    --expandable-segments where the command has it."""
+    import os
+
+    conf = args.alloc_conf if args.alloc_conf is not None else os.environ.get(
+        "PYTORCH_CUDA_ALLOC_CONF")
+    if getattr(args, "expandable_segments", False):
+        conf = ",".join(filter(None, [conf, "expandable_segments:True"]))
+    return conf
 
 
 POSITIVE = count(1)

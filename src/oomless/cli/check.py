@@ -112,9 +112,11 @@ def _run(result, args: argparse.Namespace) -> dict:
     from ..config import RunConfig
     from ..errors import ConfigError
     from ..runtime.trace.run_stream import run_over
+    from ._options import run_alloc_conf
 
     if not args.data:
         raise ConfigError("--steps replays a run over the training data: give --data FILE")
     cfg = RunConfig.model_validate(result.config)
     return run_over(cfg, data=args.data, steps=args.steps, order=args.order, seed=args.seed,
-                    cap=cfg.seq_len, empty_cache_every=args.empty_cache_steps)
+                    cap=cfg.seq_len, empty_cache_every=args.empty_cache_steps,
+                    alloc_conf=run_alloc_conf(args))

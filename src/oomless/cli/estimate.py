@@ -61,11 +61,12 @@ def _with_run(est, cfg, args: argparse.Namespace):
     import dataclasses
 
     from ..runtime.trace.run_stream import run_over
+    from ._options import run_alloc_conf
 
     run = run_over(cfg, data=args.data, lengths=args.lengths, steps=args.steps,
                    order=args.order, seed=args.seed,
                    cap=cfg.seq_len if "seq_len" in cfg.model_fields_set else None,
-                   alloc_conf="expandable_segments:True" if args.expandable_segments else None,
+                   alloc_conf=run_alloc_conf(args),
                    empty_cache_every=args.empty_cache_steps)
     return dataclasses.replace(est, extra={**est.extra, "run": run},
                                assumptions=(*est.assumptions, run["assumption"]))

@@ -113,6 +113,7 @@ def predict_run_for(cfg: RunConfig, samples: list[int], *, cluster: Cluster | No
     """The run of ``cfg`` over ``samples`` (token lengths, in file order)."""
     from ...planner.runsim import predict_run, step_lengths
 
+    config = AllocatorConfig.from_conf(alloc_conf)  # a bad setting stops before tracing
     cap = cap or max(samples)
     lens = step_lengths(samples, batch=cfg.micro_batch_size, grad_accum=cfg.grad_accum,
                         steps=steps, order=order, cap=cap, seed=seed, pack=pack)
@@ -122,7 +123,7 @@ def predict_run_for(cfg: RunConfig, samples: list[int], *, cluster: Cluster | No
     pred = predict_run(stream, samples, batch=cfg.micro_batch_size, grad_accum=cfg.grad_accum,
                        steps=steps, order=order, cap=cap,
                        capacity_bytes=capacity_bytes(cluster, cfg.world_size),
-                       alloc_conf=AllocatorConfig.from_conf(alloc_conf), seed=seed, pack=pack,
+                       alloc_conf=config, seed=seed, pack=pack,
                        empty_cache_every=empty_cache_every)
     return pred, stream
 
