@@ -58,3 +58,8 @@ def test_bad_alloc_conf_stops_before_any_trace(capsys) -> None:
     assert main(["estimate", "qwen2.5-0.5b", "--lengths", "10,20",
                  "--alloc-conf", "max_split_size_mb:8"]) == 2
     assert "max_split_size_mb:8 is too small" in capsys.readouterr().err
+
+
+def test_plan_steps_needs_the_data(capsys) -> None:
+    assert main(["plan", "qwen2.5-0.5b", "--gpu", "rtx-4090", "--steps", "10"]) == 2
+    assert "give --data FILE" in capsys.readouterr().err
