@@ -122,7 +122,9 @@ def render_run(run: dict[str, Any]) -> None:
         f"{', '.join(map(str, run['traced_lengths']))} tokens)\n")
     out(f"  reserved high-water {fmt_bytes(d['high_water_bytes'])} at step "
         f"{d['high_water_step']}; allocated peak {fmt_bytes(d['peak_allocated_bytes'])}; "
-        f"reserved − allocated there {fmt_bytes(d['fragmentation_bytes'])} ({d['config']})\n")
+        f"reserved − allocated there {fmt_bytes(d['fragmentation_bytes'])} "
+        f"({d['fragmentation_bytes'] / max(1, d['high_water_bytes']):.0%} of reserved; "
+        f"{d['config']})\n")
     out(f"  reserved per step  {reserved_sparkline(d['curve'])}\n")
     if d["oom_step"] is not None:
         out(f"  OUT OF MEMORY at step {d['oom_step']}: {fmt_bytes(d['oom_request_bytes'])} "
