@@ -42,7 +42,7 @@ def test_estimate_lengths_prints_the_run_as_json(tiny_model: Path, capsys) -> No
 
 def test_lengths_must_be_a_list_of_token_counts(capsys) -> None:
     assert main(["estimate", "qwen2.5-0.5b", "--lengths", "100,abc"]) == 2
-    assert "comma-separated token lengths" in capsys.readouterr().err
+    assert "expected token lengths such as 180,420,768" in capsys.readouterr().err
 
 
 def test_check_steps_needs_the_data(tmp_path: Path, capsys) -> None:
@@ -63,3 +63,15 @@ def test_bad_alloc_conf_stops_before_any_trace(capsys) -> None:
 def test_plan_steps_needs_the_data(capsys) -> None:
     assert main(["plan", "qwen2.5-0.5b", "--gpu", "rtx-4090", "--steps", "10"]) == 2
     assert "give --data FILE" in capsys.readouterr().err
+
+
+def test_lengths_as_percentiles_are_upper_bounds_of_1000_samples() -> None:
+    from collections import Counter
+
+    from oomless.cli._options import lengths_list
+
+    assert Counter(lengths_list("p50=180,p90=420,max=768")) == {180: 500, 420: 400, 768: 100}
+    assert lengths_list("300,100") == [300, 100]
+    for bad in ("p50=180,p90=100,max=768", "p50=180,p90=420", "q5=1,max=3", "0,5"):
+        with pytest.raises(Exception, match="percentiles such as p50=180"):
+            lengths_list(bad)

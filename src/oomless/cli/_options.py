@@ -53,16 +53,41 @@ def number(low: float = 0.0, high: float = MAX_NUMBER, low_open: bool = False,
 
 
 def lengths_list(text: str) -> list[int]:
-    """An argparse type: comma-separated token lengths, e.g. 180,420,768."""
+    """An argparse type: token lengths, as samples (180,420,768: each equally frequent)
+    or as percentiles of the data (p50=180,p90=420,max=768: 1000 samples, each as long
+    as the next percentile given, an upper bound of its length)."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     try:
+        if any("=" in p for p in parts):
+            return _percentile_samples(parts)
         values = [int(p) for p in parts]
     except ValueError:
         values = []
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated token lengths such as 180,420,768, got {text!r}")
+            f"expected token lengths such as 180,420,768 or percentiles such as "
+            f"p50=180,p90=420,max=768, got {text!r}")
     return values
+
+
+def _percentile_samples(parts: list[str]) -> list[int]:
+    points = []
+    for part in parts:
+        key, _, value = part.partition("=")
+        key = key.strip().lower()
+        q = 100.0 if key == "max" else float(key.removeprefix("p"))
+        if not key.startswith("p") and key != "max" or not 0 < q <= 100 or int(value) < 1:
+            raise ValueError(part)
+        points.append((q, int(value)))
+    points.sort()
+    if points[-1][0] != 100 or any(b[1] < a[1] for a, b in zip(points, points[1:], strict=False)):
+        raise ValueError("the percentiles must end with max and grow")
+    out, done = [], 0
+    for q, length in points:
+        count = round(q * 10) - done  # per mille
+        out += [length] * count
+        done += count
+    return out
 
 
 def add_run_sim_options(p: argparse.ArgumentParser, check: bool = False) -> None:
@@ -78,8 +103,8 @@ def add_run_sim_options(p: argparse.ArgumentParser, check: bool = False) -> None
         src.add_argument("--data", metavar="FILE", help="the training file (.json/.jsonl/"
                          ".parquet): its samples' token lengths drive the steps")
         src.add_argument("--lengths", type=lengths_list, metavar="L1,L2,…",
-                         help="sample lengths instead of a file (each equally frequent), "
-                              "e.g. p50,p90,max of your data: 180,420,768")
+                         help="sample lengths instead of a file: 180,420,768 (each equally "
+                              "frequent) or percentiles p50=180,p90=420,max=768")
     g.add_argument("--steps", type=count(1, 100_000), default=None if check else DEFAULT_STEPS,
                    help="with --data: replay this many optimizer steps" if check else
                    f"optimizer steps to replay ({DEFAULT_STEPS})")
