@@ -49,12 +49,12 @@ def synthetic_trace(length: int) -> tuple[list, tuple[int, int]]:
         grad = alloc(length * 4096)
         free(logits)
         free(act)
-        free(grad)
         held = alloc(length * 64)
         if step == 0:
             states = [alloc(2 * MiB), alloc(2 * MiB)]
-    for key in states:  # the trace ends: the optimizer is dropped
-        free(key)
+        free(grad)  # zero_grad
+    for key in states:  # the trace ends: the optimizer is dropped (in the same run of
+        free(key)  # frees as the last zero_grad, as the trace records it)
     return events, (start, len(events))
 
 
@@ -117,6 +117,8 @@ def test_run_hands_held_outputs_over_and_accumulates_nothing():
             freed.add(key)
     # live at the end: weights, two optimizer states, the last step's held output
     assert len(born - freed) == 4
+    states = [k for k in born if isinstance(k, int) and k in (6, 7)]
+    assert len(states) == 2 and not set(states) & freed  # the states live through the run
 
 
 def test_fixed_length_run_repeats_one_step():

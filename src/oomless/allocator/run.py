@@ -3,14 +3,16 @@
 The run is the trace's stream up to the repeated step (model setup and the
 first step, at the first step's length), then the repeated step once per
 further optimizer step at that step's length. Storages of one step that the
-next step frees (outputs a stack holds until its next forward) are handed over
-in order: the k-th storage the step frees that an earlier step allocated is the
-k-th storage the previous step left allocated. A storage a step leaves that no
+next step frees (outputs a stack holds until its next forward) are handed over:
+a storage the step frees that an earlier step allocated is the previous step's
+storage of the same size that it left allocated, matched in order. A storage a step leaves that no
 later step frees (the trace's loss values, which the trace keeps in a list) is
 freed at the end of the next step, so a long run does not accumulate them.
 
-The frees that close the trace (the optimizer dropped at the end of the
-traced steps) come after the last step's events; they are not repeated.
+A free of an earlier storage that the step has no counterpart for (the same
+size at every traced length) is the trace closing — the optimizer and its
+states dropped after the last traced step — and is not repeated: optimizer
+states live through the run.
 """
 
 from __future__ import annotations
@@ -64,22 +66,29 @@ class RunReport:
         return d
 
 
-def _handover(stream: ScaledStream) -> tuple[list[int], list[int], int]:
-    """(step events freeing earlier keys, step allocations left live, trimmed end)."""
+def _handover(stream: ScaledStream) -> tuple[dict[int, int], list[int]]:
+    """({step event freeing an earlier storage: the step allocation that is its
+    counterpart}, step allocations left live). A storage the step frees that an
+    earlier step allocated is handed over when the step itself leaves one of the
+    same size at every traced length (its own output, for the next step to free),
+    matched in order; the other frees of earlier storages are the trace closing
+    (the optimizer and its states dropped after the last step): not repeated."""
     start, end = stream.step_start, stream.step_end
     born = {key: i for i, (kind, key) in enumerate(stream.events) if kind == ALLOC}
-    end_trim = end
-    while end_trim > start:  # the trace's closing frees of older storages
-        kind, key = stream.events[end_trim - 1]
-        if kind == ALLOC or born.get(key, start) >= start:
-            break
-        end_trim -= 1
-    older = [i for i in range(start, end_trim)
-             if stream.events[i][0] != ALLOC and born.get(stream.events[i][1], start) < start]
-    freed = {stream.events[i][1] for i in range(start, end_trim) if stream.events[i][0] != ALLOC}
-    left = [i for i in range(start, end_trim)
+    freed = {stream.events[i][1] for i in range(start, end) if stream.events[i][0] != ALLOC}
+    left = [i for i in range(start, end)
             if stream.events[i][0] == ALLOC and stream.events[i][1] not in freed]
-    return older, left, end_trim
+    unmatched = list(left)
+    pairs: dict[int, int] = {}
+    for i in range(start, end):
+        kind, key = stream.events[i]
+        if kind == ALLOC or born.get(key, start) >= start:
+            continue
+        twin = next((j for j in unmatched if stream.sizes[j] == stream.sizes[born[key]]), None)
+        if twin is not None:
+            unmatched.remove(twin)
+        pairs[i] = -1 if twin is None else twin
+    return pairs, left
 
 
 def run_events(stream: ScaledStream, lengths: Sequence[int]) -> Iterator[tuple[int, str, Any, int]]:
@@ -88,30 +97,29 @@ def run_events(stream: ScaledStream, lengths: Sequence[int]) -> Iterator[tuple[i
     for i in range(stream.step_start):
         kind, key = stream.events[i]
         yield 0, kind, key, sizes[i]
-    older, left, end = _handover(stream)
-    older_pos = {i: n for n, i in enumerate(older)}
-    prev_left: list[Any] = []  # keys the previous step left live, in order
-    first_step_keys = [stream.events[i][1] for i in older]
+    pairs, left = _handover(stream)
+    prev_left: dict[int, Any] = {}  # step allocation event → its key in the previous step
     for step in range(1, len(lengths)):
         sizes = stream.sizes_at(lengths[step])
         handed: set[Any] = set()
-        for i in range(stream.step_start, end):
+        for i in range(stream.step_start, stream.step_end):
             kind, key = stream.events[i]
             if kind == ALLOC:
                 yield step, kind, (step, key), sizes[i]
-            elif i in older_pos:
-                n = older_pos[i]
-                target = first_step_keys[n] if step == 1 else (
-                    prev_left[n] if n < len(prev_left) else None)
+            elif i in pairs:
+                twin = pairs[i]
+                if twin < 0:
+                    continue  # the trace closing: the storage lives on
+                target = key if step == 1 else prev_left.get(twin)
                 if target is not None:
                     handed.add(target)
                     yield step, kind, target, 0
             else:
                 yield step, kind, (step, key), 0
-        for key in prev_left:  # left by the previous step, not freed by this one
+        for key in prev_left.values():  # left by the previous step, not freed by this one
             if key not in handed:
                 yield step, FREE, key, 0
-        prev_left = [(step, stream.events[i][1]) for i in left]
+        prev_left = {i: (step, stream.events[i][1]) for i in left}
 
 
 def simulate_run(stream: ScaledStream, lengths: Sequence[int],
