@@ -24,6 +24,8 @@ from fractions import Fraction
 
 from .replay import ALLOC, FREE
 
+MAX_CACHED_LENGTHS = 64  # streams kept per length: a run of 5000 lengths stays small
+
 
 class StreamMismatch(ValueError):
     """The traces at different lengths do not run the same events."""
@@ -69,6 +71,8 @@ class ScaledStream:
     def sizes_at(self, length: int) -> tuple[int, ...]:
         """Every event's size at ``length`` (0 for frees), cached per length."""
         if length not in self._cache:
+            if len(self._cache) >= MAX_CACHED_LENGTHS:  # a long run of many lengths
+                self._cache.clear()
             self._cache[length] = tuple(
                 self._size(i, length) if kind == ALLOC else 0
                 for i, (kind, _) in enumerate(self.events))
