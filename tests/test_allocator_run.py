@@ -197,3 +197,16 @@ def test_empty_cache_every_step_gives_back_what_earlier_lengths_left():
     assert emptied.peak_allocated_bytes == kept.peak_allocated_bytes
     # the counters of a step are read before its empty_cache (as a loop logs them)
     assert emptied.curve[0].reserved_end_bytes == kept.curve[0].reserved_end_bytes
+
+
+def test_length_cap_fix_tries_percentiles_until_one_fits():
+    stream = scaled()
+    samples = [100] * 85 + [600] * 10 + [1000] * 5  # p95 = 600, p99 = 1000
+    fixed = simulate_run(stream, [600] * 10)
+    pred = predict_run(stream, samples, batch=1, grad_accum=1, steps=40, order="random",
+                       cap=1000, capacity_bytes=fixed.high_water_bytes)
+    assert not pred.default.fits
+    caps = [f for f in pred.fixes if f["fix"].startswith("cap at")]
+    # p99 is the longest sample (no cap); p95 = 600 tokens truncates the 5 longest
+    assert [f["fix"] for f in caps] == ["cap at p95"]
+    assert caps[0]["fits"] and "max length 600 (truncates 5 of 100 samples)" == caps[0]["change"]

@@ -136,6 +136,7 @@ def predict_run(stream: ScaledStream, samples: Sequence[int], *, batch: int, gra
 # how much each fix changes the run, smallest first: an allocator setting, the
 # loader's order, packing (changes the batches), a length cap (drops tokens)
 FIX_RANK = {"expandable_segments": 0, "group_by_length": 1, "packing": 2}
+CAP_PERCENTILES = (99.0, 95.0, 90.0)  # length caps tried, each truncating more samples
 
 
 def _fix(name: str, change: str, report: RunReport) -> dict[str, Any]:
@@ -160,13 +161,17 @@ def _fixes(sim: Any, samples: Sequence[int], *, batch: int, grad_accum: int,
                                 order=new_order, cap=cap, seed=seed, pack=pack)
             out.append(_fix(new_order, change, sim(lens, config)))
     ordered = sorted(min(x, cap) for x in samples)
-    for q in (99.0, 95.0):
+    tried: set[int] = set()
+    for q in CAP_PERCENTILES:  # the mildest cap first, down to the first that fits
         limit = _pct(ordered, q)
-        if limit < min(cap, ordered[-1]):
-            lens = step_lengths(samples, batch=batch, grad_accum=grad_accum, steps=steps,
-                                order=order, cap=limit, seed=seed, pack=pack)
-            cut = sum(1 for x in ordered if x > limit)
-            out.append(_fix(f"cap at p{q:g}", f"max length {limit} (truncates {cut} of "
-                            f"{len(ordered)} samples)", sim(lens, config)))
+        if limit >= min(cap, ordered[-1]) or limit in tried:
+            continue
+        tried.add(limit)
+        lens = step_lengths(samples, batch=batch, grad_accum=grad_accum, steps=steps,
+                            order=order, cap=limit, seed=seed, pack=pack)
+        cut = sum(1 for x in ordered if x > limit)
+        out.append(_fix(f"cap at p{q:g}", f"max length {limit} (truncates {cut} of "
+                        f"{len(ordered)} samples)", sim(lens, config)))
+        if out[-1]["fits"]:
             break
     return sorted(out, key=lambda f: (not f["fits"], FIX_RANK.get(f["fix"], 3)))
