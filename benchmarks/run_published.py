@@ -82,14 +82,14 @@ def predict(row: dict, lengths: list[int], steps: int) -> dict:
     from oomless.allocator.run import simulate_run
     from oomless.api import cluster_for
     from oomless.config import load_run_config
-    from oomless.planner.runsim import step_lengths
+    from oomless.planner.runsim import micro_lengths
     from oomless.runtime.trace.run_stream import capacity_bytes, scaled_step_stream
 
     cfg = load_run_config(str(ROOT / row["config"]))
     cluster = cluster_for(cfg)
-    lens = step_lengths(lengths, batch=cfg.micro_batch_size, grad_accum=cfg.grad_accum,
-                        steps=steps, order=row["order"], cap=cfg.seq_len)
-    stream = scaled_step_stream(cfg, max(lens), cluster)
+    lens = micro_lengths(lengths, batch=cfg.micro_batch_size, grad_accum=cfg.grad_accum,
+                         steps=steps, order=row["order"], cap=cfg.seq_len)
+    stream = scaled_step_stream(cfg, max(max(m) for m in lens), cluster)
     run = simulate_run(stream, lens, AllocatorConfig(capacity_bytes=capacity_bytes(cluster, 1)),
                        curve_points=0, empty_cache_every=row["empty_cache_every"])
     # the loop logs memory_reserved() after each step (before its empty_cache)

@@ -210,3 +210,80 @@ def test_length_cap_fix_tries_percentiles_until_one_fits():
     # p99 is the longest sample (no cap); p95 = 600 tokens truncates the 5 longest
     assert [f["fix"] for f in caps] == ["cap at p95"]
     assert caps[0]["fits"] and "max length 600 (truncates 5 of 100 samples)" == caps[0]["change"]
+
+
+def accum_trace(length: int) -> tuple[list, tuple[int, int], tuple[int, int]]:
+    """Two micro batches per step (gradient accumulation): the second frees the first's
+    held output and replaces the gradient by the accumulated one."""
+    events: list = []
+    keys = itertools.count(1)
+
+    def alloc(n: int) -> int:
+        events.append((ALLOC, key := next(keys), n))
+        return key
+
+    def free(key: int) -> None:
+        events.append((FREE, key, 0))
+
+    alloc(8 * MiB)
+    held = None
+    states: list[int] = []
+    for step in range(2):
+        if step == 1:
+            start = len(events)
+        grad = None
+        for micro in range(2):
+            if step == 1 and micro == 1:
+                mb2 = len(events)
+            act = alloc(length * 4096)
+            if held:
+                free(held)
+            logits = alloc(length * VOCAB_BYTES)
+            new_grad = alloc(2 * MiB)
+            if grad:
+                free(grad)  # grad = grad + new
+            grad = new_grad
+            free(logits)
+            free(act)
+            held = alloc(length * 64)
+        if step == 1:
+            opt = len(events)
+        if step == 0:
+            states = [alloc(2 * MiB), alloc(2 * MiB)]
+        free(grad)  # zero_grad
+    for key in states:
+        free(key)
+    return events, (start, len(events)), (mb2, opt)
+
+
+def accum_scaled():
+    traces = {L: accum_trace(L) for L in (64, 128, 256)}
+    return fit_stream({L: t[0] for L, t in traces.items()}, {L: t[1] for L, t in traces.items()},
+                      {L: t[2] for L, t in traces.items()})
+
+
+def test_micro_batches_each_run_at_their_own_length():
+    stream = accum_scaled()
+    steps = [(100, 300, 200, 150), (120, 80, 60, 400), (90, 90, 90, 90)]
+    born, freed = set(), set()
+    logits = []
+    for step, kind, key, size in run_events(stream, [(256,)] + steps):
+        if kind == ALLOC:
+            assert key not in born
+            born.add(key)
+            if step and size % VOCAB_BYTES == 0 and size // VOCAB_BYTES > 50:
+                logits.append((step, size // VOCAB_BYTES))
+        else:
+            assert key in born and key not in freed
+            freed.add(key)
+    # the logits of every micro batch, at its own length, in order
+    assert logits == [(s + 1, L) for s, micro in enumerate(steps) for L in micro]
+    # live at the end: weights, two optimizer states, the last micro batch's held output
+    assert len(born - freed) == 4
+
+
+def test_equal_micro_lengths_replay_the_traced_step():
+    stream = accum_scaled()
+    as_traced = simulate_run(stream, [256] * 5)
+    per_micro = simulate_run(stream, [(256, 256)] * 5)
+    assert as_traced.curve == per_micro.curve

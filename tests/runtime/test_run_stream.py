@@ -85,3 +85,27 @@ def test_real_model_run_that_fits_only_with_expandable_segments(eager):
                        cap=200, capacity_bytes=free.expandable.high_water_bytes)
     assert pred.verdict() == "fits only with expandable_segments"
     assert pred.fixes[0]["fix"] == "expandable_segments"
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_runs_each_micro_batch_at_its_length():
+    from oomless.allocator import ALLOC
+    from oomless.allocator.run import run_events
+
+    model = resolved(tiny(layers=2))
+    cfg = RunConfig(model="tiny", method="lora", seq_len=128, micro_batch_size=2,
+                    grad_accum=4, attn="eager")
+    stream = scaled_step_stream(cfg, 128, resolved=model)
+    assert stream.micro is not None  # the trace ran two micro batches
+    # micro batches all at the traced length: the traced step, repeated
+    assert simulate_run(stream, [(128,) * 2] * 4).curve == simulate_run(stream, [128] * 4).curve
+    born, freed = set(), set()
+    for _, kind, key, _ in run_events(stream, [128, (40, 128, 90, 64), (100, 32, 32, 120)]):
+        if kind == ALLOC:
+            assert key not in born
+            born.add(key)
+        else:
+            assert key in born and key not in freed
+            freed.add(key)
+    run = simulate_run(stream, [128, (40, 128, 90, 64), (100, 32, 32, 120)] * 3)
+    assert run.fits and run.max_length == 128

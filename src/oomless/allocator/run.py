@@ -66,14 +66,12 @@ class RunReport:
         return d
 
 
-def _handover(stream: ScaledStream) -> tuple[dict[int, int], list[int]]:
-    """({step event freeing an earlier storage: the step allocation that is its
-    counterpart}, step allocations left live). A storage the step frees that an
-    earlier step allocated is handed over when the step itself leaves one of the
-    same size at every traced length (its own output, for the next step to free),
-    matched in order; the other frees of earlier storages are the trace closing
-    (the optimizer and its states dropped after the last step): not repeated."""
-    start, end = stream.step_start, stream.step_end
+def _pairs(stream: ScaledStream, start: int, end: int) -> tuple[dict[int, int], list[int]]:
+    """For the events [start, end): ({event freeing a storage allocated before start:
+    its counterpart among the allocations the segment leaves, or -1}, allocations
+    left live). A storage allocated before is handed over when the segment leaves
+    one of the same size at every traced length (its own output, or the gradient it
+    accumulated, for the next step or micro batch to free), matched in order."""
     born = {key: i for i, (kind, key) in enumerate(stream.events) if kind == ALLOC}
     freed = {stream.events[i][1] for i in range(start, end) if stream.events[i][0] != ALLOC}
     left = [i for i in range(start, end)
@@ -91,41 +89,108 @@ def _handover(stream: ScaledStream) -> tuple[dict[int, int], list[int]]:
     return pairs, left
 
 
-def run_events(stream: ScaledStream, lengths: Sequence[int]) -> Iterator[tuple[int, str, Any, int]]:
-    """(step, kind, key, bytes) of the whole run, step 0 included."""
-    sizes = stream.sizes_at(lengths[0])
+def _micro(step_lengths: int | Sequence[int]) -> tuple[int, ...]:
+    return tuple(step_lengths) if isinstance(step_lengths, (list, tuple)) else (step_lengths,)
+
+
+class _Step:
+    """Names the storages of one repeated step; the second traced micro batch (B)
+    runs once per further micro batch, each copy at its own length."""
+
+    def __init__(self, stream: ScaledStream, step: int, micro: tuple[int, ...]):
+        self.stream, self.step = stream, step
+        self.born = {key: i for i, (kind, key) in enumerate(stream.events) if kind == ALLOC}
+        self.b = stream.micro if stream.micro and len(micro) > 1 else None
+        self.last = len(micro) - 1 if self.b else 0
+
+    def in_b(self, i: int) -> bool:
+        return self.b is not None and self.b[0] <= i < self.b[1]
+
+    def name(self, i: int, copy: int) -> Any:
+        """Name of the storage allocated by event ``i`` (in copy ``copy`` when in B)."""
+        key = self.stream.events[i][1]
+        return (self.step, copy, key) if self.in_b(i) else (self.step, key)
+
+
+def run_events(stream: ScaledStream, lengths: Sequence[int | Sequence[int]]
+               ) -> Iterator[tuple[int, str, Any, int]]:
+    """(step, kind, key, bytes) of the whole run, step 0 included. ``lengths[i]``: the
+    step's length, or its micro batches' lengths."""
+    first = max(_micro(lengths[0]))
+    sizes = stream.sizes_at(first)
     for i in range(stream.step_start):
         kind, key = stream.events[i]
         yield 0, kind, key, sizes[i]
-    pairs, left = _handover(stream)
-    prev_left: dict[int, Any] = {}  # step allocation event → its key in the previous step
+    pairs, left = _pairs(stream, stream.step_start, stream.step_end)
+    b_pairs = _pairs(stream, *stream.micro)[0] if stream.micro else {}
+    prev_left: dict[int, Any] = {}  # step allocation event → its name in the previous step
     for step in range(1, len(lengths)):
-        sizes = stream.sizes_at(lengths[step])
+        micro = _micro(lengths[step])
+        st = _Step(stream, step, micro)
         handed: set[Any] = set()
-        for i in range(stream.step_start, stream.step_end):
-            kind, key = stream.events[i]
-            if kind == ALLOC:
-                yield step, kind, (step, key), sizes[i]
-            elif i in pairs:
-                twin = pairs[i]
-                if twin < 0:
-                    continue  # the trace closing: the storage lives on
-                target = key if step == 1 else prev_left.get(twin)
-                if target is not None:
-                    handed.add(target)
-                    yield step, kind, target, 0
-            else:
-                yield step, kind, (step, key), 0
-        for key in prev_left.values():  # left by the previous step, not freed by this one
-            if key not in handed:
-                yield step, FREE, key, 0
-        prev_left = {i: (step, stream.events[i][1]) for i in left}
+        b_live: set[Any] = set()
+        for copy, (lo, hi) in _segments(stream, st):
+            sizes = stream.sizes_at(micro[min(copy, len(micro) - 1)] if st.b else max(micro))
+            for i in range(lo, hi):
+                kind, key = stream.events[i]
+                if kind == ALLOC:
+                    name = st.name(i, copy)
+                    if st.in_b(i):
+                        b_live.add(name)
+                    yield step, kind, name, sizes[i]
+                    continue
+                target = _free_target(st, i, copy, pairs, b_pairs, prev_left)
+                if target is None:
+                    continue
+                handed.add(target)
+                b_live.discard(target)
+                yield step, FREE, target, 0
+        for name in b_live:  # what earlier micro batches left and nothing freed
+            if name[1] != st.last:
+                yield step, FREE, name, 0
+        for name in prev_left.values():  # left by the previous step, not freed by this one
+            if name not in handed:
+                yield step, FREE, name, 0
+        prev_left = {i: st.name(i, st.last) for i in left}
 
 
-def simulate_run(stream: ScaledStream, lengths: Sequence[int],
+def _segments(stream: ScaledStream, st: _Step) -> list[tuple[int, tuple[int, int]]]:
+    """(copy, event range) in replay order: A, B once per further micro batch, C."""
+    if st.b is None:
+        return [(0, (stream.step_start, stream.step_end))]
+    mb2, opt = st.b
+    return ([(0, (stream.step_start, mb2))] + [(c, (mb2, opt)) for c in range(1, st.last + 1)]
+            + [(st.last, (opt, stream.step_end))])
+
+
+def _free_target(st: _Step, i: int, copy: int, pairs: dict[int, int],
+                 b_pairs: dict[int, int], prev_left: dict[int, Any]) -> Any:
+    """The name a free event releases in this step (None: nothing to release)."""
+    stream = st.stream
+    key = stream.events[i][1]
+    j = st.born.get(key, -1)
+    if j < stream.step_start:  # allocated by an earlier step
+        if st.in_b(i) and copy > 1:
+            return None  # the first copy released it
+        twin = pairs.get(i, -1)
+        if twin < 0:
+            return None  # the trace closing (optimizer states): the storage lives on
+        return key if st.step == 1 else prev_left.get(twin)
+    if st.in_b(i) and not st.in_b(j):  # B frees what the micro batch before left
+        if copy == 1:
+            return st.name(j, 0)
+        twin = b_pairs.get(i, -1)
+        return None if twin < 0 else st.name(twin, copy - 1)
+    if st.in_b(j):  # allocated in B: this copy's, or (from C) the last copy's
+        return st.name(j, copy if st.in_b(i) else st.last)
+    return st.name(j, 0)
+
+
+def simulate_run(stream: ScaledStream, lengths: Sequence[int | Sequence[int]],
                  config: AllocatorConfig | None = None,
                  curve_points: int = CURVE_POINTS, empty_cache_every: int = 0) -> RunReport:
-    """Replay ``len(lengths)`` steps (the i-th at ``lengths[i]``) through the allocator.
+    """Replay ``len(lengths)`` steps (the i-th at ``lengths[i]``, a length or one per
+    micro batch) through the allocator.
 
     ``empty_cache_every`` N > 0: ``torch.cuda.empty_cache()`` after every N-th step
     (transformers' ``torch_empty_cache_steps``, or a loop's own schedule), after the
@@ -139,8 +204,8 @@ def simulate_run(stream: ScaledStream, lengths: Sequence[int],
     oom: tuple[int, int] | None = None
     for step, kind, key, size in run_events(stream, lengths):
         if step != current:
-            points.append(StepPoint(current, lengths[current], step_alloc, step_res,
-                                    alloc.reserved_bytes))
+            points.append(StepPoint(current, max(_micro(lengths[current])), step_alloc,
+                                    step_res, alloc.reserved_bytes))
             if empty_cache_every and (current + 1) % empty_cache_every == 0:
                 alloc.empty_cache()
             current, step_alloc, step_res = step, 0, 0
@@ -162,12 +227,13 @@ def simulate_run(stream: ScaledStream, lengths: Sequence[int],
         if alloc.reserved_bytes > high:
             high, high_step = alloc.reserved_bytes, step
             frag = alloc.reserved_bytes - alloc.allocated_bytes
-    points.append(StepPoint(current, lengths[current], step_alloc, step_res,
+    points.append(StepPoint(current, max(_micro(lengths[current])), step_alloc, step_res,
                             alloc.reserved_bytes))
     return RunReport(
         config=alloc.config.describe(), steps=current + 1, high_water_bytes=high,
         high_water_step=high_step, peak_allocated_bytes=alloc.peak_allocated_bytes,
-        fragmentation_bytes=frag, max_length=max(lengths[: current + 1]),
+        fragmentation_bytes=frag,
+        max_length=max(max(_micro(x)) for x in lengths[: current + 1]),
         oom_step=oom[0] if oom else None, oom_request_bytes=oom[1] if oom else None,
         num_alloc_retries=alloc.num_alloc_retries,
         curve=_curve(points, curve_points),

@@ -45,6 +45,9 @@ class ScaledStream:
     sizes: tuple[tuple[int, ...], ...]  # per event: bytes at each traced length; () for frees
     step_start: int
     step_end: int
+    # (first event of the second micro batch, first event of the optimizer) in the
+    # repeated step, where the trace ran two micro batches (gradient accumulation)
+    micro: tuple[int, int] | None = None
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -134,7 +137,8 @@ def canonical(events: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
 
 
 def fit_stream(traces: dict[int, list[tuple[str, int, int]]],
-               step_bounds: dict[int, tuple[int, int]]) -> ScaledStream:
+               step_bounds: dict[int, tuple[int, int]],
+               micro_bounds: dict[int, tuple[int, int] | None] | None = None) -> ScaledStream:
     """One ScaledStream from the streams traced at each length.
 
     ``step_bounds[length]``: (first, one past last) event of the repeated step in
@@ -153,14 +157,17 @@ def fit_stream(traces: dict[int, list[tuple[str, int, int]]],
             raise StreamMismatch(
                 f"the traces at {lengths[0]} and {L} tokens run different events "
                 f"({len(first)} vs {len(other)}): the ops depend on the length")
-        if step_bounds[L] != step_bounds[lengths[0]]:
+        if step_bounds[L] != step_bounds[lengths[0]] or (
+                micro_bounds and micro_bounds[L] != micro_bounds[lengths[0]]):
             raise StreamMismatch(f"the step starts at different events at {lengths[0]} "
                                  f"and {L} tokens")
     sizes = tuple(
         tuple(canon[L][i][2] for L in lengths) if kind == ALLOC else ()
         for i, (kind, _, _) in enumerate(first))
     start, end = step_bounds[lengths[0]]
-    return ScaledStream(lengths, tuple((k, key) for k, key, _ in first), sizes, start, end)
+    micro = micro_bounds[lengths[0]] if micro_bounds else None
+    return ScaledStream(lengths, tuple((k, key) for k, key, _ in first), sizes, start, end,
+                        micro)
 
 
 __all__ = ["FREE", "ScaledStream", "StreamMismatch", "canonical", "fit_stream"]

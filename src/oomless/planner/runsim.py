@@ -53,24 +53,29 @@ def loader_order(lengths: Sequence[int], batch: int, order: str, seed: int = 42)
     return [lengths[j] for mega in megas for j in mega]
 
 
-def step_lengths(lengths: Sequence[int], *, batch: int, grad_accum: int, steps: int,
-                 order: str, cap: int, seed: int = 42,
-                 pack: Any = None) -> list[int]:
-    """The padded length of each optimizer step; epochs repeat with the next seed."""
+def micro_lengths(lengths: Sequence[int], *, batch: int, grad_accum: int, steps: int,
+                  order: str, cap: int, seed: int = 42,
+                  pack: Any = None) -> list[tuple[int, ...]]:
+    """Each optimizer step's micro batches, each padded to its longest row; epochs
+    repeat with the next seed, the last short batch of an epoch kept (drop_last False)."""
     if not lengths:
         raise ConfigError("the run simulation needs at least one sample length")
-    out: list[int] = []
-    per_step = batch * grad_accum
+    batches: list[int] = []
     epoch = 0
-    while len(out) < steps:
+    while len(batches) < steps * grad_accum:
         rows = pack(cap) if order == "packing" and pack else [min(x, cap) for x in lengths]
         seq = loader_order(rows, batch, order, seed + epoch)
-        for s in range(0, len(seq), per_step):  # the last, short batch too (drop_last False)
-            out.append(max(seq[s:s + per_step]))
-            if len(out) == steps:
-                break
+        batches += [max(seq[s:s + batch]) for s in range(0, len(seq), batch)]
         epoch += 1
-    return out
+    return [tuple(batches[i * grad_accum:(i + 1) * grad_accum]) for i in range(steps)]
+
+
+def step_lengths(lengths: Sequence[int], *, batch: int, grad_accum: int, steps: int,
+                 order: str, cap: int, seed: int = 42, pack: Any = None) -> list[int]:
+    """The longest micro batch of each optimizer step (micro_lengths)."""
+    return [max(m) for m in micro_lengths(lengths, batch=batch, grad_accum=grad_accum,
+                                          steps=steps, order=order, cap=cap, seed=seed,
+                                          pack=pack)]
 
 
 @dataclass(frozen=True)
@@ -117,9 +122,9 @@ def predict_run(stream: ScaledStream, samples: Sequence[int], *, batch: int, gra
     ``empty_cache_every``: torch.cuda.empty_cache() after every N-th step (0: never)."""
     base = replace(alloc_conf or AllocatorConfig(), capacity_bytes=capacity_bytes)
     expandable = replace(base, expandable_segments=True)
-    lens = step_lengths(samples, batch=batch, grad_accum=grad_accum, steps=steps, order=order,
+    lens = micro_lengths(samples, batch=batch, grad_accum=grad_accum, steps=steps, order=order,
                         cap=cap, seed=seed, pack=pack)
-    def sim(lengths: list[int], config: AllocatorConfig) -> RunReport:
+    def sim(lengths: list[tuple[int, ...]], config: AllocatorConfig) -> RunReport:
         return simulate_run(stream, lengths, config, empty_cache_every=empty_cache_every)
 
     default = sim(lens, base)
@@ -129,7 +134,8 @@ def predict_run(stream: ScaledStream, samples: Sequence[int], *, batch: int, gra
         found = _fixes(sim, samples, batch=batch, grad_accum=grad_accum, steps=steps,
                        order=order, cap=cap, config=base, seed=seed, pack=pack,
                        expandable=exp)
-    summary = {"p50": _pct(lens, 50), "p90": _pct(lens, 90), "max": max(lens)}
+    longest = [max(m) for m in lens]
+    summary = {"p50": _pct(longest, 50), "p90": _pct(longest, 90), "max": max(longest)}
     return RunPrediction(order, len(lens), capacity_bytes, summary, default, exp, tuple(found))
 
 
@@ -157,7 +163,7 @@ def _fixes(sim: Any, samples: Sequence[int], *, batch: int, grad_accum: int,
     for new_order, change in (("group_by_length", "group_by_length: true"),
                               ("packing", "packing: true")):
         if order != new_order and (new_order != "packing" or pack is not None):
-            lens = step_lengths(samples, batch=batch, grad_accum=grad_accum, steps=steps,
+            lens = micro_lengths(samples, batch=batch, grad_accum=grad_accum, steps=steps,
                                 order=new_order, cap=cap, seed=seed, pack=pack)
             out.append(_fix(new_order, change, sim(lens, config)))
     ordered = sorted(min(x, cap) for x in samples)
@@ -167,7 +173,7 @@ def _fixes(sim: Any, samples: Sequence[int], *, batch: int, grad_accum: int,
         if limit >= min(cap, ordered[-1]) or limit in tried:
             continue
         tried.add(limit)
-        lens = step_lengths(samples, batch=batch, grad_accum=grad_accum, steps=steps,
+        lens = micro_lengths(samples, batch=batch, grad_accum=grad_accum, steps=steps,
                             order=order, cap=limit, seed=seed, pack=pack)
         cut = sum(1 for x in ordered if x > limit)
         out.append(_fix(f"cap at p{q:g}", f"max length {limit} (truncates {cut} of "

@@ -44,6 +44,18 @@ def step_bounds(stream: Stream) -> tuple[int, int]:
     return start, end
 
 
+def micro_bounds(stream: Stream, start: int, end: int) -> tuple[int, int] | None:
+    """(first event of the second micro batch, first of the optimizer) in the second
+    step, where the trace ran two micro batches (gradient accumulation)."""
+    forwards = [p for p, (name, it) in enumerate(stream.phases) if name == "forward" and it == 1]
+    if len(forwards) < 2:
+        return None
+    mb2 = next((i for i in range(start, end) if stream.event_phase[i] == forwards[1]), None)
+    opt = next((i for i in range(start, end)
+                if stream.phases[stream.event_phase[i]] == ("optimizer", 1)), None)
+    return None if mb2 is None or opt is None else (mb2, opt)
+
+
 def allocator_events(stream: Stream) -> tuple[list[tuple[str, int, int]], tuple[int, int]]:
     """The events the caching allocator sees (paged optimizer states live in unified
     memory, outside it) up to the end of the repeated step, and that step's bounds.
@@ -51,9 +63,22 @@ def allocator_events(stream: Stream) -> tuple[list[tuple[str, int, int]], tuple[
     teardown frees depends on who else holds the model (a warning's frame)."""
     start, end = step_bounds(stream)
     kept = [i for i, (_, key, _) in enumerate(stream.events) if stream.category[key] != PAGED]
-    new_start = next((n for n, i in enumerate(kept) if i >= start), len(kept))
-    new_end = next((n for n, i in enumerate(kept) if i >= end), len(kept))
-    return [stream.events[i] for i in kept[:new_end]], (new_start, new_end)
+
+    def index(event: int) -> int:
+        return next((n for n, i in enumerate(kept) if i >= event), len(kept))
+
+    new_end = index(end)
+    return [stream.events[i] for i in kept[:new_end]], (index(start), new_end)
+
+
+def allocator_micro_bounds(stream: Stream) -> tuple[int, int] | None:
+    """micro_bounds among the events the allocator sees (allocator_events)."""
+    start, end = step_bounds(stream)
+    bounds = micro_bounds(stream, start, end)
+    if bounds is None:
+        return None
+    kept = [i for i, (_, key, _) in enumerate(stream.events) if stream.category[key] != PAGED]
+    return tuple(next(n for n, i in enumerate(kept) if i >= b) for b in bounds)  # type: ignore[return-value]
 
 
 def scaled_step_stream(cfg: RunConfig, longest: int, cluster: Cluster | None = None,
@@ -76,6 +101,7 @@ def scaled_step_stream(cfg: RunConfig, longest: int, cluster: Cluster | None = N
     for attempt, lengths in enumerate((shortest, closer)):
         streams: dict[int, list] = {}
         bounds: dict[int, tuple[int, int]] = {}
+        micro: dict[int, tuple[int, int] | None] = {}
         for length in lengths:
             run_cfg = cfg.model_copy(update={"seq_len": length})
             try:
@@ -87,8 +113,9 @@ def scaled_step_stream(cfg: RunConfig, longest: int, cluster: Cluster | None = N
                                   f"cleanly ({err})") from None
             assert stats.stream is not None
             streams[length], bounds[length] = allocator_events(stats.stream)
+            micro[length] = allocator_micro_bounds(stats.stream)
         try:
-            return fit_stream(streams, bounds)
+            return fit_stream(streams, bounds, micro)
         except StreamMismatch as err:
             if attempt:  # short lengths run other kernels: the closer lengths failed too
                 raise ConfigError(
