@@ -9,6 +9,11 @@ storage of the same size that it left allocated, matched in order. A storage a s
 later step frees (the trace's loss values, which the trace keeps in a list) is
 freed at the end of the next step, so a long run does not accumulate them.
 
+With gradient accumulation the trace runs two micro batches per step; a run's
+step runs the first at its own length, then the second once per further micro
+batch, each at its length (what a micro batch frees of the one before is handed
+over the same way), then the optimizer.
+
 A free of an earlier storage that the step has no counterpart for (the same
 size at every traced length) is the trace closing — the optimizer and its
 states dropped after the last traced step — and is not repeated: optimizer
