@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._options import FRACTION, GIB, NON_NEGATIVE, POSITIVE
+from ._options import FRACTION, GIB, NON_NEGATIVE, POSITIVE, add_run_sim_options
 
 ORDER = 31
 
@@ -48,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="with --write / --diff-out: replace an existing FILE.orig / PATH")
     p.add_argument("--json", action="store_true", help="print the CheckResult as JSON")
+    add_run_sim_options(p, check=True)
     p.set_defaults(func=run)
 
 
@@ -95,12 +96,32 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, method=args.method, images=args.images, headroom=args.headroom,
         host_ram_gb=args.host_ram_gb, strict=args.strict, data=args.data))
     done = write_outputs(result, args)
+    run_sim = _run(result, args) if args.steps else None
     if args.json:
         import json
 
-        print(json.dumps({**result.to_dict(), "written": done}, indent=2))
+        print(json.dumps({**result.to_dict(), "written": done,
+                          **({"run": run_sim} if run_sim else {})}, indent=2))
     else:
-        from ._render_check import render_check
+        from ._render_check import render_check, render_run
 
         render_check(result, done)
-    return result.exit_code
+        if run_sim:
+            render_run(run_sim)
+    # a run that fails on the card (fragmentation included) does not fit
+    return max(result.exit_code, int(bool(run_sim) and run_sim["verdict"] != "fits"))
+
+
+def _run(result, args: argparse.Namespace) -> dict:
+    """--steps: the run over --data through the caching-allocator model."""
+    from ..config import RunConfig
+    from ..errors import ConfigError
+    from ..runtime.trace.run_stream import run_over
+    from ._options import run_alloc_conf
+
+    if not args.data:
+        raise ConfigError("--steps replays a run over the training data: give --data FILE")
+    cfg = RunConfig.model_validate(result.config)
+    return run_over(cfg, data=args.data, steps=args.steps, order=args.order, seed=args.seed,
+                    cap=cfg.seq_len, empty_cache_every=args.empty_cache_steps,
+                    alloc_conf=run_alloc_conf(args))

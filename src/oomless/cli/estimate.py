@@ -8,7 +8,7 @@ ORDER = 10
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ._options import POSITIVE, UTILIZATION, add_run_options
+    from ._options import POSITIVE, UTILIZATION, add_run_options, add_run_sim_options
 
     p = sub.add_parser(
         "estimate",
@@ -21,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_run_options(p)
     p.add_argument("--json", action="store_true", help="print the MemoryEstimate as JSON")
     p.add_argument("--assumptions", action="store_true", help="list every approximation")
+    add_run_sim_options(p)
     inf = p.add_argument_group("inference (--inference)")
     inf.add_argument("--inference", action="store_true", help="estimate inference instead")
     inf.add_argument("--engine", choices=["hf", "vllm"], default="vllm")
@@ -40,13 +41,35 @@ def run(args: argparse.Namespace) -> int:
     from ..api import estimate
 
     est = estimate(cfg, expandable_segments=args.expandable_segments)
+    if args.data or args.lengths:
+        est = _with_run(est, cfg, args)
     if args.json:
         print(est.to_json())
     else:
         from ._render import render_estimate
 
         render_estimate(est, show_assumptions=args.assumptions)
+        if "run" in est.extra:
+            from ._render_check import render_run
+
+            render_run(est.extra["run"])
     return 0
+
+
+def _with_run(est, cfg, args: argparse.Namespace):
+    """The estimate with the run over the data (``extra["run"]``)."""
+    import dataclasses
+
+    from ..runtime.trace.run_stream import run_over
+    from ._options import run_alloc_conf
+
+    run = run_over(cfg, data=args.data, lengths=args.lengths, steps=args.steps,
+                   order=args.order, seed=args.seed,
+                   cap=cfg.seq_len if "seq_len" in cfg.model_fields_set else None,
+                   alloc_conf=run_alloc_conf(args),
+                   empty_cache_every=args.empty_cache_steps)
+    return dataclasses.replace(est, extra={**est.extra, "run": run},
+                               assumptions=(*est.assumptions, run["assumption"]))
 
 
 def _inference(args: argparse.Namespace, cfg) -> int:
