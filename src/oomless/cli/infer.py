@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._options import POSITIVE, UTILIZATION, count, number
+from ._options import POSITIVE, UTILIZATION, add_vllm_parallel_options, count, number
 
 ORDER = 80
 
@@ -50,6 +50,7 @@ def _common(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                    help="OUT (or --kept) exists but was not written by oomless: replace it, "
                    "keeping the old file as FILE.orig")
     p.add_argument("--trust-remote-code", action="store_true")
+    add_vllm_parallel_options(p)
     p.add_argument("--engine-args", action="store_true",
                    help="print the vLLM engine arguments the memory model computes, and stop")
     p.add_argument("--gpu", help="with --engine-args: size for this catalog GPU instead of "
@@ -87,6 +88,9 @@ def _options(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
         chat_template=args.chat_template, system=args.system,
         trust_remote_code=args.trust_remote_code, id_field=args.id_field, limit=args.limit,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
     )
 
 
