@@ -144,3 +144,11 @@ def test_infer_engine_args_carry_the_parallel_sizes(capsys):
     out = capsys.readouterr().out
     args = json.loads(out[out.index("{\n"): out.index("\n}") + 2])
     assert args["tensor_parallel_size"] == 2 and args["max_model_len"] == 10000
+
+
+def test_one_offline_engine_refuses_data_parallel():
+    from oomless.runtime.infer.core import InferOptions
+    from oomless.runtime.infer.vllm import VllmBackend
+
+    with pytest.raises(ConfigError, match="one `oomless infer` per replica"):
+        VllmBackend(InferOptions(model="qwen2.5-0.5b-instruct", data_parallel_size=2))

@@ -127,16 +127,16 @@ class VllmBackend:
     def __init__(self, opts: InferOptions):
         from ...models.catalog import resolve_model
 
-        try:
-            from vllm import LLM, SamplingParams
-        except ImportError:
-            raise ConfigError("vLLM is not installed: pip install 'oomless[vllm]', or use "
-                              "--backend hf") from None
         if opts.data_parallel_size > 1:
             raise ConfigError(
                 f"--data-parallel-size {opts.data_parallel_size}: an offline vLLM engine in one "
                 "process is one replica; run one `oomless infer` per replica, each with its own "
                 "CUDA_VISIBLE_DEVICES and part of the data (--engine-args prints the arguments)")
+        try:
+            from vllm import LLM, SamplingParams
+        except ImportError:
+            raise ConfigError("vLLM is not installed: pip install 'oomless[vllm]', or use "
+                              "--backend hf") from None
         gpu_name, total, used = device_memory()
         self.args, self.budget = engine_args(opts, resolve_model(opts.model).spec,
                                              gpu_spec_for(gpu_name, total), used)
