@@ -93,6 +93,24 @@ class StackOptions(_Section):
                                       "'unsloth' gradient checkpointing)")
 
 
+class DeepSpeedConfig(_Section):
+    """DeepSpeed ``zero_optimization`` values that size ZeRO's own buffers
+    (memory/zero_buffers.py). null: transformers' "auto" (what oomless writes);
+    a DeepSpeed JSON's keys that are absent take DeepSpeed's defaults."""
+
+    reduce_bucket_size: int | None = Field(None, gt=0, description="elements per gradient "
+                                           "staging bucket (null: hidden², HF auto)")
+    allgather_bucket_size: int = Field(500_000_000, gt=0, description="ZeRO-1/2 all-gather "
+                                       "chunk (no buffer of its own)")
+    stage3_prefetch_bucket_size: int | None = Field(
+        None, ge=0, description="ZeRO-3 parameters prefetched ahead (null: 0.9·hidden²)")
+    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0,
+                                            description="ZeRO-3 gathered parameters at most")
+    contiguous_gradients: bool = True
+    overlap_comm: bool | None = Field(None, description="null: DeepSpeed's default (on for "
+                                      "ZeRO-3 only); on doubles ZeRO-1/2's staging buffer")
+
+
 class HardwareConfig(_Section):
     gpu: str | None = Field(None, description="GPU name from `oomless gpus`")
     gpus_per_node: int = Field(1, ge=1)
@@ -227,6 +245,7 @@ class RunConfig(_Section):
     attn: Attention = "sdpa"
     zero: Literal[0, 1, 2, 3] = 0
     offload: Offload = "none"
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     hardware: HardwareConfig = HardwareConfig()
     vision: VisionConfig = VisionConfig()
     rlhf: RlhfConfig = RlhfConfig()

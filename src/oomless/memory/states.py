@@ -16,6 +16,7 @@ from .quantized import check_prequantized, quant_constant_bytes, quantized_weigh
 from .stacks import StackEffects, stack_effects
 from .stages import score_head_param_delta
 from .vision import vision_trainable_params
+from .zero_buffers import zero_buffers
 
 # Module names people write in LoRA target lists → our canonical names
 # (ChatGLM, Phi-2, GPT-2, Mixtral-legacy, InternLM spellings).
@@ -178,6 +179,10 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     st.trainable_params = trainable
 
     weights = weight_bytes(spec, cfg, dt) + head_weights * dt.base_weight_bytes
+    buffers = zero_buffers(cfg.zero, cfg.deepspeed.model_dump(), spec.hidden_size,
+                           largest_module_params(spec), dt.grad_bytes, dt.base_weight_bytes)
+    if cfg.zero:
+        st.assumptions.extend(buffers.notes)
     shard3 = n if cfg.zero == 3 else 1  # ZeRO-3 partitions the parameters
     shard_opt = n if cfg.zero >= 1 else 1  # ZeRO-1+ partitions optimizer states
     params_on_host = cfg.offload == "all"
@@ -193,14 +198,10 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
             "module (a layer in packed 4-bit, or the 16-bit embedding / lm_head) is gathered, "
             "plus a prefetch bucket of 0.9·hidden² elements")
     elif cfg.zero == 3:
-        live = C.ZERO3_LIVE_LAYER_BYTES_PER_PARAM * largest_module_params(spec)
-        prefetch = C.ZERO3_PREFETCH_FRACTION * spec.hidden_size**2 * dt.base_weight_bytes
-        st.gpu["zero3_gathered"] = round(live + prefetch)
+        st.gpu["zero3_gathered"] = buffers.gathered_bytes
         st.assumptions.append(
-            "ZeRO-3: the largest module (layer, embedding or lm_head) is gathered at "
-            "4 B/param (16-bit weight + grad, DeepSpeed's estimator) plus a prefetch "
-            "bucket of 0.9·hidden² elements (HF 'auto')"
-        )
+            "ZeRO-3: the largest module (layer, embedding or lm_head) is gathered with its "
+            "16-bit gradient (DeepSpeed's estimator counts 4 B/param) plus the prefetch")
     if adapter:
         st.gpu["lora_adapters"] = round(adapter * dt.trainable_bytes / shard3)
 
@@ -236,12 +237,11 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
         st.host_bytes += round(weights / n * cfg.hardware.gpus_per_node)
 
     grads = trainable * dt.grad_bytes
-    if cfg.zero >= 2:
-        # reduce bucket of hidden² elements (HF "auto"), never more than the grads
-        bucket = min(spec.hidden_size**2 * dt.grad_bytes, grads)
-        st.gpu["gradients"] = round(grads / n + bucket)
-    else:
-        st.gpu["gradients"] = round(grads)
+    # ZeRO-2/3 keep each rank's gradient partition; ZeRO-1+ adds DeepSpeed's staging
+    # buffer(s) of reduce_bucket_size elements (memory/zero_buffers.py)
+    shard_grads = n if cfg.zero >= 2 else 1
+    st.gpu["gradients"] = round(grads / shard_grads + (buffers.gradient_staging_bytes
+                                                       if cfg.zero else 0))
     if cfg.zero == 0 and n > 1:
         # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False,
         # the HF/accelerate default): a second copy of all trainable gradients.
