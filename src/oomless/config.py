@@ -32,7 +32,7 @@ Reference = Literal["auto", "adapter-off", "separate", "precomputed"]
 # The software that runs the training step: each stack's memory-relevant behaviours
 # are listed in docs/stacks.md.
 Stack = Literal["hf-trainer", "trl", "llamafactory", "axolotl", "swift", "unsloth",
-                "custom-loop"]
+                "custom-loop", "torchtune"]
 
 
 class _Section(BaseModel):
@@ -90,7 +90,14 @@ class StackOptions(_Section):
     upcast_lmhead_output: bool = Field(False, description="LLaMA-Factory upcast_lmhead_output")
     offload_checkpoints: bool = Field(False, description="checkpointed layer inputs kept in "
                                       "host RAM (LLaMA-Factory use_unsloth_gc, Unsloth's "
-                                      "'unsloth' gradient checkpointing)")
+                                      "'unsloth' gradient checkpointing, torchtune's "
+                                      "enable_activation_offloading)")
+    optimizer_in_bwd: bool = Field(False, description="torchtune optimizer_in_bwd: each "
+                                   "parameter is stepped and its gradient freed inside the "
+                                   "backward")
+    chunked_loss: bool | None = Field(None, description="torchtune: a chunked cross-entropy "
+                                      "(CEWithChunkedOutputLoss / LinearCrossEntropyLoss) "
+                                      "instead of torch's (null: the recipes' default, chunked)")
 
 
 class DeepSpeedConfig(_Section):

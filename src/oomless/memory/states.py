@@ -93,6 +93,16 @@ def largest_linear_params(spec: ModelSpec) -> int:
     return max(lin.weight_params // lin.count for lin in lins)
 
 
+def largest_trainable_tensor(spec: ModelSpec, cfg: RunConfig, targets: set[str]) -> int:
+    """Elements of the largest trained parameter: a full model's embedding, lm_head or
+    largest linear; LoRA's largest A or B matrix."""
+    if cfg.method == "full":
+        return max(spec.embedding_params, spec.lm_head_params, largest_linear_params(spec))
+    sizes = [max(lin.in_features, lin.out_features) for lin in spec.layer_linears()
+             if lin.name in targets]
+    return cfg.lora.r * max(sizes, default=spec.hidden_size)
+
+
 @dataclass
 class States:
     """Per-GPU persistent bytes by category, host bytes, counts."""
@@ -242,6 +252,11 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     shard_grads = n if cfg.zero >= 2 else 1
     st.gpu["gradients"] = round(grads / shard_grads + (buffers.gradient_staging_bytes
                                                        if cfg.zero else 0))
+    if stack_effects(cfg).optimizer_in_bwd:
+        # torchtune training/memory.py register_optim_in_bwd_hooks: each gradient is
+        # stepped and freed as soon as it is accumulated: the largest one at a time
+        st.gpu["gradients"] = round(min(grads, largest_trainable_tensor(spec, cfg, targets)
+                                        * dt.grad_bytes))
     if cfg.zero == 0 and n > 1:
         # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False,
         # the HF/accelerate default): a second copy of all trainable gradients.

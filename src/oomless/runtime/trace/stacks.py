@@ -136,6 +136,9 @@ def trace_unsupported(cfg: RunConfig) -> str | None:
     from ...memory.stacks import installed_version, loss_path
 
     fx = stack_effects(cfg)
+    if cfg.stack == "torchtune":
+        return ("torchtune runs its own model classes and recipes, which are not installed "
+                "beside oomless's pins; its memory is modelled from its source (docs/stacks.md)")
     if fx.fused_loss in ("liger", "unsloth"):
         return (f"the {fx.fused_loss} fused cross-entropy runs Triton kernels, which do not run "
                 "on CPU; its memory is modelled from its source")
