@@ -39,6 +39,8 @@ from .stacks import StackEffects, stack_effects
 # _CHUNKED_LOGPROB_CHUNK_SIZE (vocabulary entries per tile)
 TRL_TOKEN_TILE = 4096
 TRL_VOCAB_TILE = 32768
+# unsloth models/llama.py CausalLM_fast_forward: `if bsz*q_len <= 1024: RETURN_LOGITS = True`
+UNSLOTH_CCE_MIN_TOKENS = 1024
 # torchtune modules/loss/ce_chunked_output_loss.py, cross_entropy_loss.py: num_output_chunks
 TORCHTUNE_CHUNKS = 8
 # unsloth_zoo fused_losses/cross_entropy_loss.py: _CE_BYTES_PER_LOGIT, _CE_TARGET_GB_CAP
@@ -94,6 +96,15 @@ def _fused(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int, kind: str) -> di
         return {"forward": saved + a * chunk * v, "backward": saved, "held": 0}
     if kind.startswith("torchtune"):
         return _torchtune(t, v, a, kind)
+    if kind == "unsloth-triton":
+        # the bf16 logits, saved; per-row loss and logsumexp in fp32; the backward's
+        # gradient overwrites the logits (kernels/cross_entropy_loss.py)
+        return {"forward": a * t * v + 8 * t, "backward": a * t * v + a * t * h, "held": 0}
+    if kind == "unsloth-cce" and t > UNSLOTH_CCE_MIN_TOKENS:
+        # cut_cross_entropy: per-row logsumexp and loss; the t × hidden input gradient
+        return {"forward": 8 * t, "backward": 8 * t + a * t * h + lm_head_grad, "held": 0}
+    if kind == "unsloth-cce":  # RETURN_LOGITS for short batches: the Triton path
+        return {"forward": a * t * v + 8 * t, "backward": a * t * v + a * t * h, "held": 0}
     if kind == "trl":
         # the tile buffer is min(tokens, 4096) × 32768 whatever the vocabulary
         tile = a * min(t, TRL_TOKEN_TILE) * TRL_VOCAB_TILE
@@ -130,4 +141,7 @@ def largest_logits_block_bytes(spec: ModelSpec, cfg: RunConfig, t: int) -> float
         return min(UNSLOTH_BYTES_PER_LOGIT * t * spec.vocab_size, UNSLOTH_TARGET_BYTES) / 4
     if fx.fused_loss.startswith("torchtune"):
         return C.LOSS_FP32_BYTES * math.ceil(t / TORCHTUNE_CHUNKS) * spec.vocab_size
+    if fx.fused_loss == "unsloth-triton" or (fx.fused_loss == "unsloth-cce"
+                                             and t <= UNSLOTH_CCE_MIN_TOKENS):
+        return 2 * t * spec.vocab_size  # the model's bf16 logits
     return 4 * t * spec.hidden_size

@@ -140,10 +140,16 @@ PROFILES: dict[str, tuple[Behaviour, ...]] = {
     "unsloth": HF_TRAINER + (
         _B("unsloth-offload-ckpt", "checkpointed layer inputs offloaded to host RAM",
            "unsloth_zoo gradient_checkpointing.py Unsloth_Offloaded_Gradient_Checkpointer"),
-        _B("unsloth-fused-ce", "cross-entropy fused with lm_head in chunks sized to at most "
-           "16 B × tokens × vocabulary per chunk and 4 GiB in all (half the free memory "
-           "when less)", "unsloth_zoo fused_losses/cross_entropy_loss.py get_chunk_size, "
-           "_CE_BYTES_PER_LOGIT, _CE_TARGET_GB_CAP"),
+        _B("unsloth-fused-ce", "from 2025.8.5: cross-entropy fused with lm_head in chunks "
+           "sized to at most 16 B × tokens × vocabulary per chunk and 4 GiB in all (half the "
+           "free memory when less)", "unsloth_zoo fused_losses/cross_entropy_loss.py "
+           "get_chunk_size, _CE_BYTES_PER_LOGIT, _CE_TARGET_GB_CAP"),
+        _B("unsloth-cce", "2024.11.8 to 2025.8.4: cut_cross_entropy's linear_cross_entropy "
+           "(no logits) for batches over 1024 tokens", "unsloth models/llama.py "
+           "CausalLM_fast_forward (HAS_CUT_CROSS_ENTROPY, RETURN_LOGITS)"),
+        _B("unsloth-triton-ce", "to 2024.11.7: the model's bf16 logits and a Triton "
+           "cross-entropy whose backward writes the gradient into the logits in place",
+           "unsloth kernels/cross_entropy_loss.py Fast_CrossEntropyLoss"),
     ),
     "torchtune": (
         _B("torchtune-dtype", "the model runs in its dtype (bf16) without autocast: full "
@@ -249,7 +255,8 @@ def _effects(stack: str, method: str, zero: int, grad_ckpt: bool, precision: str
     elif cfg.stack == "axolotl" and qlora_single:
         fx = replace(fx, fp32_groups=frozenset({"other"}), setup_upcast=True)
     elif cfg.stack == "unsloth":
-        fx = replace(fx, fused_loss="unsloth", offload_checkpoints=cfg.grad_ckpt)
+        fx = replace(fx, fused_loss=unsloth_loss(cfg.stack_options),
+                     offload_checkpoints=cfg.grad_ckpt)
         notes.append("Unsloth modelled from its source (it does not install beside oomless' "
                      "pins): offloaded checkpointing and the fused chunked cross-entropy; its "
                      "own Triton kernels for RoPE, RMSNorm and SwiGLU are counted as HF's")
@@ -277,6 +284,23 @@ def _effects(stack: str, method: str, zero: int, grad_ckpt: bool, precision: str
         if fx.fused_loss == "liger":
             fx = replace(fx, fused_loss="")
     return replace(fx, notes=tuple(notes))
+
+
+# Unsloth's loss by release (unslothai/unsloth unsloth/models/llama.py
+# CausalLM_fast_forward): to 2024.11.7 the model's bf16 logits and the Triton
+# fast_cross_entropy_loss (its backward writes the gradient into the logits in place);
+# from the next release (commit fa8e59eb "Cut Cross Entropy") cut_cross_entropy's
+# linear_cross_entropy, no logits, for batches over 1024 tokens; from 2025.8.5
+# (commit 806bee24) unsloth_zoo's unsloth_fused_ce_loss in chunks.
+UNSLOTH_LOSSES = (((0,), "unsloth-triton"), ((2024, 11, 8), "unsloth-cce"),
+                  ((2025, 8, 5), "unsloth"))
+NEWEST_UNSLOTH = "2026.10.9"
+
+
+def unsloth_loss(opts: StackOptions) -> str:
+    version = version_tuple(opts.stack_version or installed_version("unsloth")
+                            or NEWEST_UNSLOTH)
+    return [name for since, name in UNSLOTH_LOSSES if version >= since][-1]
 
 
 # torchtune's loss moved into the output projection after 0.6 (LinearCrossEntropyLoss in
