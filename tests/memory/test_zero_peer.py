@@ -100,6 +100,22 @@ def test_real_deepspeed_json_sizes_the_buffers(path, staging_copies):
         assert buffers.settings["stage3_max_live_parameters"] == 1_000_000_000
 
 
+def test_llamafactory_zero2_json_stages_two_buckets_of_5e8():
+    """LLaMA-Factory's examples/deepspeed/ds_z2_config.json: reduce_bucket_size 5e8 with
+    overlap_comm true, so DeepSpeed double-buffers 5e8 bf16 elements: 2 GB per GPU."""
+    zero = json.loads((FIXTURES / "llama-factory/ds_z2_config.json").read_text())
+    options = from_deepspeed_json(zero["zero_optimization"])
+    assert options["reduce_bucket_size"] == 500_000_000 and options["overlap_comm"] is True
+    buffers = zero_buffers(2, options, H, largest_module_params(SPEC), 2, 2)
+    assert buffers.gradient_staging_bytes == 2 * 500_000_000 * 2
+
+
+def test_keys_a_json_leaves_out_take_deepspeeds_defaults():
+    options = from_deepspeed_json({"stage": 2})
+    assert options["reduce_bucket_size"] == DEEPSPEED_DEFAULTS["reduce_bucket_size"]
+    assert resolve_settings(options, H, 2)["overlap_comm"] is False
+
+
 def test_max_live_parameters_caps_the_prefetch():
     largest = largest_module_params(SPEC)
     capped = zero_buffers(3, {"stage3_prefetch_bucket_size": 10**9,

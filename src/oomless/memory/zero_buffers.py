@@ -70,12 +70,11 @@ def resolve_settings(options: dict[str, Any] | None, hidden_size: int, stage: in
 
 def from_deepspeed_json(zero_optimization: dict[str, Any]) -> dict[str, Any]:
     """The run configuration's ``deepspeed`` values of a DeepSpeed JSON's
-    ``zero_optimization`` ("auto" → None: transformers fills it; keys not given left out)."""
+    ``zero_optimization``: "auto" → None (transformers fills it), keys not given →
+    DeepSpeed's defaults (what DeepSpeed runs with)."""
     out: dict[str, Any] = {}
     for key in ZERO_KEYS:
-        if key not in zero_optimization:
-            continue
-        value = zero_optimization[key]
+        value = zero_optimization.get(key, DEEPSPEED_DEFAULTS[key])
         if value == "auto":
             value = None
         elif isinstance(value, float):
