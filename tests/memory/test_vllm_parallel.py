@@ -152,3 +152,14 @@ def test_one_offline_engine_refuses_data_parallel():
 
     with pytest.raises(ConfigError, match="one `oomless infer` per replica"):
         VllmBackend(InferOptions(model="qwen2.5-0.5b-instruct", data_parallel_size=2))
+
+
+def test_a_budget_that_leaves_no_room_for_cuda_graphs_is_said(capsys):
+    assert main(["estimate", "qwen2.5-7b-instruct", "--inference", "--gpu", "rtx-4090",
+                 "--max-model-len", "4096", "--gpu-memory-utilization", "0.99", "--json"]) == 0
+    import json as _json
+
+    assert _json.loads(capsys.readouterr().out)["cudagraphs_fit"] is False
+    assert main(["estimate", "qwen2.5-7b-instruct", "--inference", "--gpu", "rtx-4090",
+                 "--max-model-len", "4096"]) == 0  # the chosen utilization leaves room
+    assert "CUDA graphs may not fit" not in capsys.readouterr().out

@@ -78,6 +78,10 @@ def render_vllm(model: str, gpu_name: str, b: Any, args: dict[str, Any],
     out.print(f"CUDA graphs (captured after the KV cache, above the budget): about "
               f"{fmt_bytes(b.cudagraph_bytes)}", soft_wrap=True)
     out.print(budget_verdict(b), soft_wrap=True)
+    if not b.cudagraphs_fit:
+        out.print("[yellow]CUDA graphs may not fit[/]: vLLM captures them after the KV cache, "
+                  "above the budget, and the card has less than that left; lower "
+                  "gpu_memory_utilization or set enforce_eager", soft_wrap=True)
     if hint:
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in hint.items())
         out.print(f"With the GPUs named, vLLM fits with: {flags}", soft_wrap=True)

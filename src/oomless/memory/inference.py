@@ -121,6 +121,9 @@ class VllmBudget:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     assumptions: tuple[str, ...] = ()
+    # the CUDA graphs, captured after the KV cache, fit above the budget (else vLLM can run
+    # out of memory while capturing them: lower the utilization or enforce_eager)
+    cudagraphs_fit: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -186,6 +189,7 @@ def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs:
         holds_max_num_seqs=concurrency >= max_num_seqs,
         fits=num_blocks * block_size >= max_model_len,
         free_at_start_ok=budget <= total - used_by_others_bytes + 64 * MiB,
+        cudagraphs_fit=budget + VLLM_CUDAGRAPH_BYTES <= total - used_by_others_bytes,
         tensor_parallel_size=tp, pipeline_parallel_size=par.pipeline_parallel_size,
         data_parallel_size=par.data_parallel_size,
         assumptions=tuple(parallel_assumptions(spec, par)),
