@@ -129,3 +129,16 @@ def test_a_users_json_reaches_the_estimate():
     large = _states(2, reduce_bucket_size=500_000_000)
     assert large - small == (500_000_000 - 1_000_000) * 2
     assert _states(2, contiguous_gradients=False) == _states(2) - H * H * 2
+
+
+def test_fsdp2_engine_holds_the_root_group_and_two_layers():
+    """training.engine fsdp (FSDP2 as oomless's engine wraps it): no DeepSpeed buckets; the
+    embedding and LM head stay gathered, two layers at once, gradients until reduced."""
+    cfg = RunConfig(model="llama-2-7b", method="full", zero=3, seq_len=512,
+                    hardware={"gpu": "a100-80gb", "gpus_per_node": 8},
+                    training={"engine": "fsdp"})
+    parts = estimate(cfg).breakdown["optimizer"]
+    root = SPEC.embedding_params + SPEC.lm_head_params + SPEC.norm_params
+    layer = SPEC.layer_params(False)
+    assert parts["zero3_gathered"] == 2 * root + 2 * 2 * layer + 2 * (root + layer)
+    assert parts["gradients"] == 2 * SPEC.param_count // 8  # the shard, no staging bucket

@@ -16,7 +16,7 @@ from .quantized import check_prequantized, quant_constant_bytes, quantized_weigh
 from .stacks import StackEffects, stack_effects
 from .stages import score_head_param_delta
 from .vision import vision_trainable_params
-from .zero_buffers import zero_buffers
+from .zero_buffers import fsdp2_gathered_bytes, zero_buffers
 
 # Module names people write in LoRA target lists → our canonical names
 # (ChatGLM, Phi-2, GPT-2, Mixtral-legacy, InternLM spellings).
@@ -191,7 +191,8 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     weights = weight_bytes(spec, cfg, dt) + head_weights * dt.base_weight_bytes
     buffers = zero_buffers(cfg.zero, cfg.deepspeed.model_dump(), spec.hidden_size,
                            largest_module_params(spec), dt.grad_bytes, dt.base_weight_bytes)
-    if cfg.zero:
+    fsdp = cfg.training.engine == "fsdp"  # FSDP2 has no DeepSpeed buckets
+    if cfg.zero and not fsdp:
         st.assumptions.extend(buffers.notes)
     shard3 = n if cfg.zero == 3 else 1  # ZeRO-3 partitions the parameters
     shard_opt = n if cfg.zero >= 1 else 1  # ZeRO-1+ partitions optimizer states
@@ -207,6 +208,15 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
             "sharded, the quantization constants (absmax) stay on every GPU; the largest "
             "module (a layer in packed 4-bit, or the 16-bit embedding / lm_head) is gathered, "
             "plus a prefetch bucket of 0.9·hidden² elements")
+    elif cfg.zero == 3 and fsdp:
+        layer = max(spec.layer_params(False), spec.layer_params(True) if spec.is_moe else 0)
+        root = spec.embedding_params + spec.lm_head_params + spec.norm_params
+        st.gpu["zero3_gathered"] = fsdp2_gathered_bytes(
+            root, layer, dt.base_weight_bytes, dt.grad_bytes, cfg.method == "full")
+        st.assumptions.append(
+            "FSDP2 (fully_shard per decoder layer, then the model): the root group (embedding, "
+            "LM head, final norm) stays gathered through forward and backward, two layers are "
+            "gathered at once (prefetch), unsharded gradients wait for the reduce-scatter")
     elif cfg.zero == 3:
         st.gpu["zero3_gathered"] = buffers.gathered_bytes
         st.assumptions.append(
@@ -251,7 +261,7 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     # buffer(s) of reduce_bucket_size elements (memory/zero_buffers.py)
     shard_grads = n if cfg.zero >= 2 else 1
     st.gpu["gradients"] = round(grads / shard_grads + (buffers.gradient_staging_bytes
-                                                       if cfg.zero else 0))
+                                                       if cfg.zero and not fsdp else 0))
     if stack_effects(cfg).optimizer_in_bwd:
         # torchtune training/memory.py register_optim_in_bwd_hooks: each gradient is
         # stepped and freed as soon as it is accumulated: the largest one at a time

@@ -107,3 +107,20 @@ def zero_buffers(stage: int, options: dict[str, Any] | None, hidden_size: int,
                      f"{int(s['stage3_prefetch_bucket_size']):,} elements (at most "
                      f"stage3_max_live_parameters {int(s['stage3_max_live_parameters']):,})")
     return ZeroBuffers(staging, gathered, s, tuple(notes))
+
+
+def fsdp2_gathered_bytes(root_params: int, layer_params: int, weight_bytes: float,
+                         grad_bytes: int, trained: bool) -> int:
+    """What FSDP2 holds unsharded on one GPU under full sharding, as oomless's FSDP engine
+    wraps the model (runtime/train/engines.py FSDPEngine: ``fully_shard`` per decoder layer,
+    then the whole model, ``reshard_after_forward=True``). From torch
+    distributed/fsdp/_fully_shard: the root group (embedding, final norm, LM head) is
+    gathered when the root's forward starts and stays gathered through it (the whole
+    model's forward), and again from the root's pre-backward to its post-backward (the
+    whole backward), where its gradients are reduce-scattered last; each layer's
+    all-gather overlaps with the one before (implicit forward prefetch;
+    FSDPParamGroup._backward_prefetch one layer ahead in backward), so two layers are
+    unsharded at once; a layer's unsharded gradients wait for its reduce-scatter."""
+    weights = root_params * weight_bytes + 2 * layer_params * weight_bytes
+    grads = (root_params + layer_params) * grad_bytes if trained else 0
+    return round(weights + grads)
