@@ -9,6 +9,11 @@ from typing import Any
 from ..units import fmt_bytes
 
 
+CUDAGRAPH_WARNING = ("[yellow]CUDA graphs may not fit[/]: vLLM captures them after the KV "
+                     "cache, above the budget, and the card has less than that left; lower "
+                     "gpu_memory_utilization or set enforce_eager")
+
+
 def engine_args_text(args: dict[str, Any]) -> str:
     """vLLM engine arguments as printed by every command (byte for byte the same)."""
     return json.dumps(args, indent=2)
@@ -79,9 +84,7 @@ def render_vllm(model: str, gpu_name: str, b: Any, args: dict[str, Any],
               f"{fmt_bytes(b.cudagraph_bytes)}", soft_wrap=True)
     out.print(budget_verdict(b), soft_wrap=True)
     if not b.cudagraphs_fit:
-        out.print("[yellow]CUDA graphs may not fit[/]: vLLM captures them after the KV cache, "
-                  "above the budget, and the card has less than that left; lower "
-                  "gpu_memory_utilization or set enforce_eager", soft_wrap=True)
+        out.print(CUDAGRAPH_WARNING, soft_wrap=True)
     if hint:
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in hint.items())
         out.print(f"With the GPUs named, vLLM fits with: {flags}", soft_wrap=True)

@@ -125,7 +125,7 @@ def _print_engine_args(args: argparse.Namespace, opts) -> int:
                 from None
         gpu = gpu_spec_for(name, total)
     engine, budget = engine_args(opts, resolve_model(opts.model).spec, gpu, used)
-    from ._render_infer import budget_verdict, engine_args_text
+    from ._render_infer import CUDAGRAPH_WARNING, budget_verdict, engine_args_text
 
     print(engine_args_text(engine))
     print(f"{gpu.display_name}: {fmt_bytes(gpu.memory_bytes)}, {fmt_bytes(used)} used by others; "
@@ -134,7 +134,10 @@ def _print_engine_args(args: argparse.Namespace, opts) -> int:
           f"{fmt_bytes(budget.non_torch_bytes)} + KV cache {fmt_bytes(budget.kv_cache_bytes)}")
     from rich.console import Console
 
-    Console(highlight=False, soft_wrap=True).print(budget_verdict(budget))
+    out = Console(highlight=False, soft_wrap=True)
+    out.print(budget_verdict(budget))
+    if not budget.cudagraphs_fit:
+        out.print(CUDAGRAPH_WARNING)
     return 0
 
 
