@@ -8,7 +8,6 @@ from typing import Any
 
 from ..units import fmt_bytes
 
-
 CUDAGRAPH_WARNING = ("[yellow]CUDA graphs may not fit[/]: vLLM captures them after the KV "
                      "cache, above the budget, and the card has less than that left; lower "
                      "gpu_memory_utilization or set enforce_eager")
