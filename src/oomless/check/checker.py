@@ -144,6 +144,8 @@ def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: Mod
     run = dict(reading.run)
     if opts.model:
         run["model"] = opts.model
+    if reading.facts.get("deepspeed") and "deepspeed" not in run:
+        run["deepspeed"] = reading.facts["deepspeed"]  # the DeepSpeed file's ZeRO buffers
     if run.get("precision") == "bf16" and not cluster.gpu.bf16:
         run["precision"] = "fp16"  # bf16: auto / a card without bf16: the tools fall back
     if run.get("method") == "qlora" and run.get("zero") == 3:

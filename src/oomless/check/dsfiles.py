@@ -60,8 +60,12 @@ def deepspeed_facts(ds: dict[str, Any]) -> dict[str, Any]:
 
 def read_deepspeed(src: Source, reading: Reading) -> tuple[int, str]:
     """Stage and offload of a DeepSpeed file; its unknown ZeRO keys become warnings."""
+    from ..memory.zero_buffers import from_deepspeed_json
+
     check_keys(src, "deepspeed:zero_optimization", "zero_optimization", reading=reading)
     reading.facts.update(deepspeed_facts(src.data))
+    # ZeRO's buffer sizes (reduce_bucket_size, prefetch, ...) for the estimate
+    reading.facts["deepspeed"] = from_deepspeed_json(src.data.get("zero_optimization") or {})
     return zero_from_deepspeed(src.data, str(src.path))
 
 

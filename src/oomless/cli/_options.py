@@ -209,6 +209,16 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     add_stack_options(g)
 
 
+def add_vllm_parallel_options(g: Any) -> None:
+    """vLLM's own parallel flags (vllm serve --help), per engine."""
+    g.add_argument("--tensor-parallel-size", type=POSITIVE, default=1,
+                   help="vLLM: GPUs one layer is split over (weights and KV heads per GPU)")
+    g.add_argument("--pipeline-parallel-size", type=POSITIVE, default=1,
+                   help="vLLM: pipeline stages (layers split over GPUs)")
+    g.add_argument("--data-parallel-size", type=POSITIVE, default=1,
+                   help="vLLM: engine replicas (each TP × PP GPUs)")
+
+
 def add_stack_options(g: Any) -> None:
     """--stack and the versions that select its loss and LoRA paths (docs/stacks.md)."""
     g.add_argument("--stack", choices=list(get_args(Stack)),

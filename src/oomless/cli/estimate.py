@@ -8,7 +8,8 @@ ORDER = 10
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ._options import POSITIVE, UTILIZATION, add_run_options, add_run_sim_options
+    from ._options import (POSITIVE, UTILIZATION, add_run_options, add_run_sim_options,
+                           add_vllm_parallel_options)
 
     p = sub.add_parser(
         "estimate",
@@ -29,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     inf.add_argument("--max-num-seqs", type=POSITIVE, default=256)
     inf.add_argument("--gpu-memory-utilization", type=UTILIZATION)
     inf.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    add_vllm_parallel_options(inf)
     p.set_defaults(func=run)
 
 
@@ -78,7 +80,8 @@ def _inference(args: argparse.Namespace, cfg) -> int:
     from ..api import cluster_for
     from ..errors import ConfigError
     from ..memory import estimate_generate
-    from ..memory.inference import EngineRequest, vllm_engine_args
+    from ..memory.inference import EngineRequest, parallel_hint, vllm_engine_args
+    from ..memory.vllm_parallel import check_parallel
     from ..models.catalog import resolve_model
 
     spec = resolve_model(cfg.model).spec
@@ -102,12 +105,18 @@ def _inference(args: argparse.Namespace, cfg) -> int:
                         max_num_seqs=args.max_num_seqs,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         lora_rank=cfg.lora.r if adapter else 0, kv_cache_dtype=args.kv_cache_dtype,
-                        trust_remote_code=cfg.training.trust_remote_code)
+                        trust_remote_code=cfg.training.trust_remote_code,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        pipeline_parallel_size=args.pipeline_parallel_size,
+                        data_parallel_size=args.data_parallel_size, nodes=cluster.nodes)
+    check_parallel(spec, req.parallel, cluster.world_size)
     engine, budget = vllm_engine_args(spec, cluster.gpu, req)
+    hint = parallel_hint(spec, cluster, req, budget)
     if args.json:
-        print(json.dumps({"engine": "vllm", **budget.to_dict(), "engine_args": engine}, indent=2))
+        print(json.dumps({"engine": "vllm", **budget.to_dict(), "engine_args": engine,
+                          "suggested_parallel": hint}, indent=2))
         return 0
     from ._render_infer import render_vllm
 
-    render_vllm(spec.name, cluster.gpu.display_name, budget, engine)
+    render_vllm(spec.name, cluster.gpu.display_name, budget, engine, hint)
     return 0

@@ -121,8 +121,12 @@ def vllm_no_kv(event: OomEvent, s: Situation) -> list[Fix]:
     fixes.append(Fix("max_num_batched_tokens", "lower max_num_batched_tokens / max_num_seqs: a "
                      "smaller profile run leaves more for the KV cache" + detail, {}, True,
                      domain="serving"))
-    fixes.append(Fix("quantize", "a quantized checkpoint (AWQ/GPTQ/FP8) or tensor_parallel_size 2 "
-                     "to shrink the weights per GPU", {}, False, domain="serving"))
+    fixes.append(Fix("quantize", "a quantized checkpoint (AWQ/GPTQ/FP8) to shrink the weights "
+                     "per GPU", {}, False, domain="serving"))
+    fixes.append(Fix("tensor_parallel_size", "tensor_parallel_size 2 on two GPUs: each holds half "
+                     "the weights and half the KV heads (`oomless estimate MODEL --inference "
+                     "--gpu GPUx2 --tensor-parallel-size 2` sizes it)",
+                     {"tensor_parallel_size": 2}, True, domain="serving"))
     return fixes
 
 
