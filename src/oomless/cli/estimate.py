@@ -8,8 +8,13 @@ ORDER = 10
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ._options import (POSITIVE, UTILIZATION, add_run_options, add_run_sim_options,
-                           add_vllm_parallel_options)
+    from ._options import (
+        POSITIVE,
+        UTILIZATION,
+        add_run_options,
+        add_run_sim_options,
+        add_vllm_parallel_options,
+    )
 
     p = sub.add_parser(
         "estimate",
