@@ -32,6 +32,7 @@ from ..result import TRAIN_PHASES
 from . import foreign_keys as K
 from .reading import ReadOptions, edits_for, read_sources
 from .rules import RuleContext, allowed_shardings, broken_rules, config_warnings
+from .scripts.decide import settle
 from .settings import apply_data, unmodelled_settings
 from .sources import Reading, load_source, source_from_text
 from .textedit import set_value, unified_diff
@@ -315,6 +316,7 @@ def check(opts: CheckOptions) -> CheckResult:
     from ..planner.speed import ASSUMPTIONS
 
     reading = read_files(opts)
+    settle(reading, opts)  # "can't tell" unless an option settles it
     spec = resolve(reading, opts)
     cluster = _cluster(opts, reading.run)
     reading = apply_data(reading, opts, spec)

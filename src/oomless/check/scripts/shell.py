@@ -25,47 +25,12 @@ import bashlex
 from ...errors import ConfigError
 from . import shellprep
 from .shellmath import arithmetic
+from .values import Unknown, Value, Var, Word
 
 MAX_DEPTH = 8  # functions and sourced files within each other
 MAX_TURNS = 32  # turns of a `for` loop over literal words
-GPU_COUNT_WORDS = ("device_count", "nvidia-smi", "CUDA_VISIBLE_DEVICES", "gpu_count")
 _PARAM = re.compile(r"^(#?)([A-Za-z_]\w*|\d+|[@*#?$!])(\[[^\]]*\])?(.*)$", re.S)
 _DEFAULT_OPS = (":-", ":=", ":+", ":?", "-", "=", "+", "?")
-
-
-@dataclass(frozen=True)
-class Unknown:
-    """A value only running the script can tell."""
-
-    text: str
-    line: int
-    why: str
-
-    @property
-    def gpu_count(self) -> bool:
-        return any(w in self.text for w in GPU_COUNT_WORDS)
-
-    def describe(self) -> str:
-        return f"'{self.text}' (line {self.line}) {self.why}"
-
-
-Value = Any  # str | Unknown | list[str] (arrays)
-
-
-@dataclass
-class Var:
-    value: Value
-    span: tuple[int, int] | None = None  # where the literal value is written (main file)
-    line: int = 0
-
-
-@dataclass
-class Word:
-    value: str | Unknown
-    span: tuple[int, int] | None
-    line: int
-    raw: str = ""  # the value with unknown parts kept as marks (see ShellScript.mark)
-    end: int = -1  # offset after the word in the main script (-1: elsewhere)
 
 
 @dataclass

@@ -28,7 +28,7 @@ class _Field:
 
 
 def expand_word(ev: Any, node: Any, value_from: int | None, split: bool) -> list[Any]:
-    from .shell import Unknown, Word
+    from .values import Unknown, Word
 
     start, end = node.pos
     start = value_from if value_from is not None else start
@@ -88,7 +88,7 @@ def expand_word(ev: Any, node: Any, value_from: int | None, split: bool) -> list
 
 
 def _put(fields: list[_Field], value: Any, split: bool, script: Any) -> None:
-    from .shell import Unknown
+    from .values import Unknown
 
     if isinstance(value, Unknown):
         fields[-1].add(script.mark(value))
@@ -104,7 +104,7 @@ def _put(fields: list[_Field], value: Any, split: bool, script: Any) -> None:
 
 
 def _part_value(ev: Any, part: Any) -> tuple[Any, Any]:
-    from .shell import Unknown
+    from .values import Unknown
 
     if part.kind == "parameter":
         return ev.parameter(part.value, part.pos[0])
@@ -137,7 +137,7 @@ def _literal_span(text: str, start: int, end: int, parts: list[Any],
 
 def arithmetic(expr: str, ev: Any, line: int, depth: int = 0) -> Any:
     """The value of ``$((expr))`` as a decimal string, or an Unknown."""
-    from .shell import Unknown
+    from .values import Unknown
 
     for m in re.finditer(r"\$\{([^}]*)\}", expr):
         got, _var = ev.parameter(m.group(1), 0)
@@ -177,7 +177,7 @@ def arithmetic(expr: str, ev: Any, line: int, depth: int = 0) -> Any:
 
 
 def _eval(node: ast.AST, value_of: Any) -> Any:
-    from .shell import Unknown
+    from .values import Unknown
 
     if isinstance(node, ast.Constant) and isinstance(node.value, int):
         return node.value

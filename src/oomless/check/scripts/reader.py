@@ -1,0 +1,216 @@
+"""A launch script read as a RunConfig: the command's launcher, the framework it starts
+and its flags by meaning (oomless.check.scripts.flags).
+
+``llamafactory-cli train X.yaml`` and ``axolotl train X.yml`` are read through the
+YAML they name (looked up in the working directory, next to the script, then in
+its parent folders), with the GPU count of the launch. LLaVA and MoE-LLaVA keep
+their own reader (oomless.check.readers_hf). Every other program is read by the
+meaning of its flags, over the defaults of the tool recognised (DeepSpeed-Chat,
+OpenRLHF, Qwen, MiniCPM-V, InternVL, Firefly, ms-swift) or of transformers'
+TrainingArguments. What the reading cannot decide is said as "can't tell", with
+the oomless option that settles it (oomless.check.scripts.decide).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ...config import RunConfig
+from ...errors import ConfigError
+from .. import foreign_keys as K
+from ..common import HF_KEYS, hf_eval, knob_edits, optimizer, pre_quantized_note
+from ..readers_hf import launch_edits as llava_edits
+from ..readers_hf import read_launch as read_llava
+from ..sources import Reading, Source, knob_set, load_source
+from . import flags as F
+from .decide import cannot_tell, gpu_count
+from .methods import method_of, precision_of, zero_of
+
+TRAINING_ARGUMENTS_BATCH = 8  # TrainingArguments.per_device_train_batch_size default
+
+
+def _is_llava(src: Source) -> bool:
+    script = src.command.script
+    return "llava" in script or "moe_enable" in src.data or any(
+        k in src.data for k in ("mm_projector_type", "vision_tower", "lora_enable"))
+
+
+def read_script(src: Source, model: str | None) -> Reading:
+    """The reading of a launch script (see the module docstring)."""
+    launch = src.command.launch
+    if launch.launcher.startswith(("llamafactory-cli", "lmf", "axolotl")) or (
+            launch.kind == "module" and launch.program.startswith("axolotl.cli.train")):
+        return _delegate(src, model)
+    if launch.launcher == "tune run":
+        from .torchtune import read_tune_launch
+
+        return read_tune_launch(src, model)
+    if _is_llava(src):
+        reading = read_llava(src, model)
+        gpu_count(src, reading)
+        return reading
+    return read_by_meaning(src, model)
+
+
+def find_file(ref: str, script: Path) -> Path | None:
+    """A file a script names: in the working directory, next to the script, then in the
+    script's parent folders."""
+    p = Path(ref).expanduser()
+    if p.is_absolute():
+        return p if p.is_file() else None
+    for base in [Path.cwd(), script.parent, *list(script.resolve().parent.parents)[:4]]:
+        if (base / p).is_file():
+            return base / p
+    return None
+
+
+def _delegate(src: Source, model: str | None) -> Reading:
+    from ..readers_axolotl import read_axolotl
+    from ..readers_lf import read_llamafactory
+
+    launch = src.command.launch
+    names = [w.value for w in launch.args if isinstance(w.value, str)]
+    ref = next((n for n in names if n.endswith((".yaml", ".yml", ".json"))), None)
+    if ref is None:
+        raise ConfigError(f"{src.path}:{launch.command.line}: `{launch.launcher}` without a "
+                          "configuration file; check the YAML it should name")
+    found = find_file(ref, src.path)
+    if found is None:
+        raise ConfigError(f"{src.path}:{launch.command.line}: '{ref}' not found (looked in the "
+                          f"working directory, next to {src.path.name} and in its parent "
+                          "folders); check the YAML directly: oomless check FILE.yaml")
+    yaml_src = load_source(found, "main")
+    axolotl = "axolotl" in launch.launcher or "axolotl" in launch.program
+    reading = (read_axolotl if axolotl else read_llamafactory)(yaml_src, model)
+    reading.notes.append(f"{src.path}:{launch.command.line}: `{launch.launcher}` runs "
+                         f"{found}: read from there")
+    overrides = [n for n in names if "=" in n and not n.startswith("-")]
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if F.memory_word(key):
+            cannot_tell(reading, f"the override {item}", f"{src.path}:{launch.command.line}",
+                        F.memory_word(key))
+    gpu_count(src, reading)
+    return reading
+
+
+def _unknown_keys(src: Source, tool: str | None) -> dict[str, str]:
+    known = F.flags_of(tool) | K.keys_of(*K.TRAINING_ARGUMENTS) | set(
+        F.TOOLS[tool]["defaults"] if tool else ()) | set(F.TOOLS[tool].get("known", ())
+                                                         if tool else ())
+    if tool is None:
+        known |= F.flags_of(None)
+    return {k: src.where(k) for k in src.data if k not in known}
+
+
+def read_by_meaning(src: Source, model: str | None) -> Reading:
+    launch = src.command.launch
+    a = src.data
+    tool = F.detect_tool(launch.program, set(a))
+    label = F.TOOLS[tool]["label"] if tool else f"{launch.program} (TrainingArguments flags)"
+    r = Reading("launch", f"launch script: {label}", {"main": src}, {})
+    r.facts["script_tool"] = tool
+    unknown = _unknown_keys(src, tool)
+    for key, where in unknown.items():
+        r.warnings.append(f"{where}: unknown flag '--{key}': not a flag of {label} nor of "
+                          "transformers TrainingArguments")
+    for item in F.undecided(unknown):
+        cannot_tell(r, f"--{item['key']}", item["where"], item)
+    for key, arg in src.command.args.items():
+        if arg.unknown is not None and F.meaning_of(key, tool) is not None:
+            word = {"topic": F.MEANINGS[F.meaning_of(key, tool)], "settles": _settles(key, tool)}
+            cannot_tell(r, f"--{key} {arg.unknown.describe()}", src.where(key), word)
+    s = F.settings(a, tool)
+    run = _run(s, tool, src, model, r)
+    r.run = run
+    gpu_count(src, r)
+    _batch(s, run, r)
+    r.fixed |= knob_set(*_writable(s, tool))
+    return r
+
+
+def _settles(key: str, tool: str | None) -> str:
+    meaning = F.meaning_of(key, tool) or ""
+    if meaning == "model":
+        return "--model"
+    if meaning == "seq_len":
+        return "--seq-len"
+    return "--method" if "lora" in meaning or meaning in (
+        "qlora", "train_mode", "load_in_4bit", "quant_bits") else "a literal value in the script"
+
+
+def _run(s: dict[str, F.Setting], tool: str | None, src: Source, model: str | None,
+         r: Reading) -> dict[str, Any]:
+    name = model or (s["model"].value if "model" in s and not s["model"].default else None)
+    if not name:
+        raise ConfigError(f"{src.path}: the script does not name the model (no "
+                          "--model_name_or_path or the tool's own flag): pass --model")
+    pre_quantized_note(str(name), r)
+    method, extra = method_of(s, tool, src, r)
+    zero, offload = zero_of(s, tool, src, r)
+    length = s.get("seq_len")
+    if length is None or not isinstance(length.value, int):
+        cannot_tell(r, "the sequence length", str(src.path), {
+            "topic": "the sequence length", "settles": "--seq-len"})
+    elif length.default:
+        r.notes.append(f"{length.key} not set: {length.value} tokens, the default of "
+                       f"{F.TOOLS[tool]['label']} ({F.TOOLS[tool]['source'].split(' ; ')[0]})")
+    ckpt = s.get("grad_ckpt")
+    attn = s.get("flash_attn") or s.get("attn_implementation")
+    flash = bool(attn and (attn.value is True or "flash" in str(attn.value)))
+    micro = s["micro_batch"].value if "micro_batch" in s else TRAINING_ARGUMENTS_BATCH
+    run: dict[str, Any] = {
+        "model": str(name), "method": method, "stage": "sft",
+        "stack": (F.TOOLS[tool]["stack"] if tool else "hf-trainer"),
+        "precision": precision_of(s), "micro_batch_size": micro,
+        "grad_accum": s["grad_accum"].value if "grad_accum" in s else 1,
+        "seq_len": length.value if length is not None and isinstance(length.value, int)
+        else 2048, "grad_ckpt": bool(ckpt and ckpt.value is True),
+        "attn": "flash" if flash else "sdpa", "zero": zero, "offload": offload,
+        "optimizer": optimizer(str(src.data.get("optim", "adamw_torch")), src.where("optim"), r),
+        "eval": hf_eval(src.data, micro, None) if tool in (None, "qwen-finetune") else {},
+        **extra,
+    }
+    if s.get("packing") and s["packing"].value is True:
+        run["data"] = {**run.get("data", {}), "packing": True}
+    return run
+
+
+def _batch(s: dict[str, F.Setting], run: dict[str, Any], r: Reading) -> None:
+    """A global batch (OpenRLHF's train_batch_size) gives the accumulation steps."""
+    total = s.get("global_batch")
+    gpus = (run.get("hardware") or {}).get("gpus_per_node")
+    if total is None or not isinstance(total.value, int):
+        return
+    if gpus:
+        run["grad_accum"] = max(1, total.value // (run["micro_batch_size"] * gpus))
+    r.facts["batch_not_in_file"] = True  # the accumulation is computed, not written
+
+
+def _writable(s: dict[str, F.Setting], tool: str | None) -> tuple[str, ...]:
+    """Planner knobs a fix may change in this script: those with a flag taking a value."""
+    out = ["micro_batch"]
+    if "global_batch" not in s:
+        out.append("grad_accum")
+    if tool not in ("deepspeed-chat", "openrlhf"):  # their checkpointing flag is a bare flag
+        out.append("grad_ckpt")
+    if tool in ("deepspeed-chat", "openrlhf") and "zero_stage" in s:
+        out.append("zero")
+    return tuple(out)
+
+
+def script_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
+                 model_type: str) -> list[tuple[str, tuple, Any]]:
+    if "script_tool" not in reading.facts:
+        return llava_edits(cfg, old, reading, model_type)
+    s = F.settings(reading.sources["main"].data, reading.facts["script_tool"])
+    out: list[tuple[str, tuple, Any]] = []
+    put = lambda key, value: out.append(("main", (key,), value))  # noqa: E731
+    keys = {"micro": s["micro_batch"].key if "micro_batch" in s else HF_KEYS["micro"],
+            "accum": s["grad_accum"].key if "grad_accum" in s else HF_KEYS["accum"],
+            "grad_ckpt": s["grad_ckpt"].key if "grad_ckpt" in s else "gradient_checkpointing"}
+    knob_edits(cfg, old, put, keys)
+    if cfg.zero != old.zero and "zero_stage" in s:
+        put(s["zero_stage"].key, cfg.zero)
+    return out
