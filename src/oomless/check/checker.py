@@ -301,10 +301,15 @@ def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
                              "(--model)")
     try:
         return resolve_model(str(model)).spec
-    except UnknownModelError:
+    except UnknownModelError as err:
         entry = find_entry(Path(str(model)).name)
         if entry is None or not str(model).startswith((".", "/", "~")):
-            raise
+            if opts.model:
+                raise
+            raise UnknownModelError(f"the file names the model '{model}', which oomless "
+                                    "cannot resolve: pass --model NAME (a catalog model of the "
+                                    f"same architecture) or --model path/to/config.json. {err}"
+                                    ) from None
     reading.notes.append(f"'{model}' is not on this machine: read as the catalog model "
                          f"{entry.name} of the same name (--model to choose another)")
     reading.run["model"] = entry.name

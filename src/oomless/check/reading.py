@@ -19,7 +19,7 @@ from .readers_glm import glm_edits, read_glm4
 from .readers_hf import hf_edits, read_hf_deepspeed
 from .readers_lf import llamafactory_edits, read_llamafactory, read_weclone, weclone_edits
 from .readers_trl import accelerate_edits, apply_accelerate, read_accelerate, read_trl, trl_edits
-from .scripts.reader import read_script, script_edits
+from .scripts.reader import read_json_by_meaning, read_script, script_edits
 from .sources import Reading, Source, detect_kind
 
 Edits = list[tuple[str, tuple, Any]]
@@ -57,6 +57,10 @@ def _read(sources: list[Source], opts: ReadOptions) -> Reading:
                           "TrainingArguments JSON with a DeepSpeed JSON, or a configuration "
                           "with its accelerate config")
     kinds = [detect_kind(s) for s in sources]
+    if kinds == ["training_args"]:
+        by_meaning = read_json_by_meaning(sources[0], opts.model)
+        if by_meaning is not None:
+            return by_meaning
     if set(kinds) <= {"deepspeed", "training_args"}:
         if len(set(kinds)) != len(kinds):
             raise ConfigError(f"two files must be a DeepSpeed JSON and a TrainingArguments "

@@ -61,6 +61,14 @@ def detect_tool(program: str, keys: set[str]) -> str | None:
     return best
 
 
+def detect_tool_by_marks(keys: set[str]) -> str | None:
+    """The tool of a file that names no program (a TrainingArguments JSON): the one with
+    at least two of its own flags in the file."""
+    score = {tool: len(keys & set(row["marks"])) for tool, row in TOOLS.items()}
+    best = max(score, key=score.__getitem__)
+    return best if score[best] >= 2 else None
+
+
 def settings(args: dict[str, Any], tool: str | None) -> dict[str, Setting]:
     """meaning -> Setting, from the script's flags over the tool's defaults."""
     out: dict[str, Setting] = {}

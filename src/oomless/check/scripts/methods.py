@@ -113,7 +113,15 @@ def _vision(s: dict[str, F.Setting], tool: str | None, extra: dict[str, Any]) ->
         extra["vision"] = {"freeze_tower": bool(tower)}
 
 
-def precision_of(s: dict[str, F.Setting]) -> str:
+def precision_of(s: dict[str, F.Setting], method: str, r: Reading) -> str:
+    loaded = _value(s, "load_dtype")
+    if isinstance(loaded, str) and _DTYPES.get(loaded.lower()) in ("bf16", "fp16"):
+        if method == "full" and _DTYPES[loaded.lower()] == "bf16":
+            r.assumptions.append(f"{s['load_dtype'].key} {loaded} with full fine-tuning: the "
+                                 "Trainer trains the weights in the dtype they are loaded in "
+                                 "(AdamW states bf16, no fp32 master copy): pure bf16")
+            return "pure-bf16"
+        return _DTYPES[loaded.lower()]
     name = _value(s, "dtype")
     if isinstance(name, str) and name.lower() in _DTYPES:
         return _DTYPES[name.lower()]
@@ -134,7 +142,8 @@ def zero_of(s: dict[str, F.Setting], tool: str | None, src: Source,
         if m:
             stage = int(m.group(1))
             return stage, ("none" if not m.group(2) else "all" if stage == 3 else "optimizer")
-        written = src.command.shell.files.get(ds) if src.command.shell else None
+        shell = src.command.shell if src.command else None
+        written = shell.files.get(ds) if shell else None
         if written is not None:
             ds_src = source_from_text(src.path.parent / ds, "deepspeed", written)
             r.notes.append(f"{ds}: the DeepSpeed JSON the script writes (heredoc)")

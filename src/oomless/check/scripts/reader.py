@@ -104,12 +104,20 @@ def _unknown_keys(src: Source, tool: str | None) -> dict[str, str]:
     return {k: src.where(k) for k in src.data if k not in known}
 
 
-def read_by_meaning(src: Source, model: str | None) -> Reading:
-    launch = src.command.launch
+def read_json_by_meaning(src: Source, model: str | None) -> Reading | None:
+    """A TrainingArguments JSON of a tool the table knows (Firefly's train_args), or None."""
+    tool = F.detect_tool_by_marks(set(src.data))
+    return read_by_meaning(src, model, tool) if tool else None
+
+
+def read_by_meaning(src: Source, model: str | None, json_tool: str | None = None) -> Reading:
+    launch = src.command.launch if src.command else None
     a = src.data
-    tool = F.detect_tool(launch.program, set(a))
-    label = F.TOOLS[tool]["label"] if tool else f"{launch.program} (TrainingArguments flags)"
-    r = Reading("launch", f"launch script: {label}", {"main": src}, {})
+    tool = F.detect_tool(launch.program, set(a)) if launch else json_tool
+    program = launch.program if launch else src.path.name
+    label = F.TOOLS[tool]["label"] if tool else f"{program} (TrainingArguments flags)"
+    r = Reading("launch", f"{'launch script' if launch else 'arguments file'}: {label}",
+                {"main": src}, {})
     r.facts["script_tool"] = tool
     unknown = _unknown_keys(src, tool)
     for key, where in unknown.items():
@@ -117,16 +125,22 @@ def read_by_meaning(src: Source, model: str | None) -> Reading:
                           "transformers TrainingArguments")
     for item in F.undecided(unknown):
         cannot_tell(r, f"--{item['key']}", item["where"], item)
-    for key, arg in src.command.args.items():
+    for key, arg in (src.command.args.items() if launch else ()):
         if arg.unknown is not None and F.meaning_of(key, tool) is not None:
             word = {"topic": F.MEANINGS[F.meaning_of(key, tool)], "settles": _settles(key, tool)}
             cannot_tell(r, f"--{key} {arg.unknown.describe()}", src.where(key), word)
     s = F.settings(a, tool)
     run = _run(s, tool, src, model, r)
     r.run = run
-    gpu_count(src, r)
+    if launch:
+        gpu_count(src, r)
     _batch(s, run, r)
     r.fixed |= knob_set(*_writable(s, tool))
+    for meaning in ("micro_batch", "grad_accum"):
+        if meaning in s and not _literal(src, s[meaning].key):
+            r.facts["batch_not_in_file"] = True
+            r.notes.append(f"{src.where(s[meaning].key)}: --{s[meaning].key} is computed by the "
+                           "script: a fix does not change the batch")
     return r
 
 
@@ -163,7 +177,7 @@ def _run(s: dict[str, F.Setting], tool: str | None, src: Source, model: str | No
     run: dict[str, Any] = {
         "model": str(name), "method": method, "stage": "sft",
         "stack": (F.TOOLS[tool]["stack"] if tool else "hf-trainer"),
-        "precision": precision_of(s), "micro_batch_size": micro,
+        "precision": precision_of(s, method, r), "micro_batch_size": micro,
         "grad_accum": s["grad_accum"].value if "grad_accum" in s else 1,
         "seq_len": length.value if length is not None and isinstance(length.value, int)
         else 2048, "grad_ckpt": bool(ckpt and ckpt.value is True),
@@ -194,10 +208,14 @@ def _writable(s: dict[str, F.Setting], tool: str | None) -> tuple[str, ...]:
     if "global_batch" not in s:
         out.append("grad_accum")
     if tool not in ("deepspeed-chat", "openrlhf"):  # their checkpointing flag is a bare flag
-        out.append("grad_ckpt")
-    if tool in ("deepspeed-chat", "openrlhf") and "zero_stage" in s:
-        out.append("zero")
+        out.append("grad_ckpt")  # (and their offload too: ZeRO stays as written)
     return tuple(out)
+
+
+def _literal(src: Source, key: str) -> bool:
+    """Whether the flag's value is written as one literal a fix can edit (or is absent)."""
+    arg = src.command.args.get(key) if src.command else None
+    return arg is None or (len(arg.spans) == 1 and arg.spans[0] is not None)
 
 
 def script_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
@@ -210,7 +228,7 @@ def script_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
     keys = {"micro": s["micro_batch"].key if "micro_batch" in s else HF_KEYS["micro"],
             "accum": s["grad_accum"].key if "grad_accum" in s else HF_KEYS["accum"],
             "grad_ckpt": s["grad_ckpt"].key if "grad_ckpt" in s else "gradient_checkpointing"}
-    knob_edits(cfg, old, put, keys)
-    if cfg.zero != old.zero and "zero_stage" in s:
-        put(s["zero_stage"].key, cfg.zero)
+    src = reading.sources["main"]
+    knob_edits(cfg, old, lambda key, value: put(key, value) if _literal(src, key) else None,
+               keys)
     return out
