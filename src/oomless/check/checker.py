@@ -213,7 +213,9 @@ def apply_edits(reading: Reading, edits: list) -> dict[str, str]:
 def _reread(reading: Reading, texts: dict[str, str], opts: CheckOptions) -> Reading:
     edited = [source_from_text(src.path, src.role, texts[role])
               for role, src in reading.sources.items()]
-    return read_sources(edited, ReadOptions(opts.model, opts.method, opts.seq_len))
+    back = read_sources(edited, ReadOptions(opts.model, opts.method, opts.seq_len))
+    settle(back, opts)
+    return back
 
 
 def diff_name(path: Path) -> str:

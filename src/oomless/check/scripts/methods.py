@@ -104,13 +104,28 @@ def method_of(s: dict[str, F.Setting], tool: str | None, src: Source,
 
 
 def _vision(s: dict[str, F.Setting], tool: str | None, extra: dict[str, Any]) -> None:
-    tower = None
+    vision = {}
     if "tune_vision" in s:
-        tower = s["tune_vision"].value is not True
+        vision["freeze_tower"] = s["tune_vision"].value is not True
     elif "freeze_vision" in s:
-        tower = s["freeze_vision"].value is True
-    if tower is not None:
-        extra["vision"] = {"freeze_tower": bool(tower)}
+        vision["freeze_tower"] = s["freeze_vision"].value is True
+    if "freeze_projector" in s:
+        vision["freeze_projector"] = s["freeze_projector"].value is True
+    if vision:
+        extra["vision"] = vision
+
+
+# Read, said in the assumptions, not (yet) in the estimate
+_UNMODELLED = ("vision_lora_rank", "image_slices", "image_size")
+
+
+def unmodelled(s: dict[str, F.Setting], src: Source, r: Reading) -> None:
+    for meaning in _UNMODELLED:
+        if meaning in s and s[meaning].value not in (0, None, False):
+            got = s[meaning]
+            where = src.where(got.key) if not got.default else "the tool's default"
+            r.assumptions.append(f"{where}: {got.key} {got.value} ({F.MEANINGS[meaning]}) is "
+                                 "read but the estimator does not model it yet")
 
 
 def precision_of(s: dict[str, F.Setting], method: str, r: Reading) -> str:

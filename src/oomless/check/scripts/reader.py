@@ -25,7 +25,7 @@ from ..readers_hf import read_launch as read_llava
 from ..sources import Reading, Source, knob_set, load_source
 from . import flags as F
 from .decide import cannot_tell, gpu_count
-from .methods import method_of, precision_of, zero_of
+from .methods import method_of, precision_of, unmodelled, zero_of
 
 TRAINING_ARGUMENTS_BATCH = 8  # TrainingArguments.per_device_train_batch_size default
 
@@ -134,6 +134,9 @@ def read_by_meaning(src: Source, model: str | None, json_tool: str | None = None
     r.run = run
     if launch:
         gpu_count(src, r)
+        _environment(src, tool, s, r)
+    if "image_max_pixels" in s and isinstance(s["image_max_pixels"].value, int):
+        r.facts["image_max_pixels"] = s["image_max_pixels"].value
     _batch(s, run, r)
     r.fixed |= knob_set(*_writable(s, tool))
     for meaning in ("micro_batch", "grad_accum"):
@@ -142,6 +145,18 @@ def read_by_meaning(src: Source, model: str | None, json_tool: str | None = None
             r.notes.append(f"{src.where(s[meaning].key)}: --{s[meaning].key} is computed by the "
                            "script: a fix does not change the batch")
     return r
+
+
+def _environment(src: Source, tool: str | None, s: dict[str, F.Setting], r: Reading) -> None:
+    """Settings a tool reads from environment variables the script sets (ms-swift's
+    MAX_PIXELS) join the flags."""
+    launch = src.command.launch
+    for name, row in (F.TOOLS[tool].get("env", {}) if tool else {}).items():
+        value = launch.env(name, src.command.shell)
+        if isinstance(value, str) and value.strip().isdigit():
+            s[row["meaning"]] = F.Setting(row["meaning"], name, int(value), False)
+            r.notes.append(f"{name}={value} (environment of the command): "
+                           f"{F.MEANINGS[row['meaning']]}")
 
 
 def _settles(key: str, tool: str | None) -> str:
@@ -162,6 +177,7 @@ def _run(s: dict[str, F.Setting], tool: str | None, src: Source, model: str | No
                           "--model_name_or_path or the tool's own flag): pass --model")
     pre_quantized_note(str(name), r)
     method, extra = method_of(s, tool, src, r)
+    unmodelled(s, src, r)
     zero, offload = zero_of(s, tool, src, r)
     length = s.get("seq_len")
     if length is None or not isinstance(length.value, int):

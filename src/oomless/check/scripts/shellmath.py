@@ -33,6 +33,8 @@ def expand_word(ev: Any, node: Any, value_from: int | None, split: bool) -> list
     start, end = node.pos
     start = value_from if value_from is not None else start
     text = ev.prep.text
+    if text[start:end] in ('"$@"', '"${@}"', "$@", "${@}") and not ev.positional:
+        return []  # "$@" with no arguments is no word at all
     parts = sorted((p for p in (getattr(node, "parts", None) or []) if p.pos[0] >= start),
                    key=lambda p: p.pos[0])
     fields = [_Field()]
