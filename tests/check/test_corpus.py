@@ -124,6 +124,10 @@ FILES: dict[str, tuple[str, dict]] = {
     "firefly/qwen1.5-7b-sft-lora.json": ("a100-80gb", {"model": "qwen2.5-7b-instruct"}),
     "firefly/minicpm-2b-sft-full.json": ("a100-80gb x8", {"model": "qwen2.5-1.5b-instruct"}),
     "firefly/ds_z3_config.json": ("a100-80gb x8", JSON_ALONE),
+    "unsloth/Qwen2.5_(7B)-Alpaca.py": ("t4", {"model": "qwen2.5-7b-instruct"}),
+    "unsloth/Llama3.1_(8B)-Alpaca.py": ("t4", {"model": "llama-3.1-8b-instruct"}),
+    "unsloth/Mistral_v0.3_(7B)-Conversational.py": ("t4", {"model": "mistral-7b-instruct-v0.3"}),
+    "unsloth/Gemma2_(9B)-Alpaca.py": ("t4", {"model": "gemma-2-9b-it"}),
 }
 # A configuration with the launch configuration it is run with
 PAIRS: dict[tuple[str, str], tuple[str, dict]] = {

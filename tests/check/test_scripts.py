@@ -129,13 +129,15 @@ def test_launcher_option_tables_are_sourced():
 
 # ---- the flag table ------------------------------------------------------------------------
 _URL = re.compile(r"https://github\.com/[\w.-]+/[\w.-]+/(blob|tree)/[0-9a-f]{40}/\S+")
+_PACKAGE = re.compile(r"(transformers|trl|peft) [0-9.]+ \S+\.py$")  # a pinned package's file
 
 
 @pytest.mark.parametrize("row", F.ROWS, ids=lambda r: f"{r['flag']}:{r['meaning']}")
 def test_every_flag_row_is_sourced_and_read(row):
     assert row["meaning"] in F.MEANINGS
     assert row["tools"] and all(t in F.TOOLS or t == "hf-script" for t in row["tools"])
-    assert _URL.match(row["source"]) or row["source"].startswith("transformers TrainingArguments")
+    assert _URL.match(row["source"]) or _PACKAGE.match(row["source"]) or row[
+        "source"].startswith("transformers TrainingArguments")
     for tool in row["tools"]:
         got = F.settings({row["flag"]: 1}, None if tool == "hf-script" else tool)
         assert got[row["meaning"]].key == row["flag"], (tool, got)
@@ -285,3 +287,33 @@ def test_verdicts_agree_with_the_published_memory(name, stated, fits_on, oom_on)
 def test_documented_misses_are_real_files():
     for name, why in MISSES.items():
         assert (CORPUS / name).read_text().splitlines()[0].strip() == why.split(":")[0]
+
+
+@pytest.mark.parametrize("name,model", [
+    ("unsloth/Qwen2.5_(7B)-Alpaca.py", "qwen2.5-7b-instruct"),
+    ("unsloth/Llama3.1_(8B)-Alpaca.py", "llama-3.1-8b-instruct"),
+    ("unsloth/Mistral_v0.3_(7B)-Conversational.py", "mistral-7b-instruct-v0.3"),
+    ("unsloth/Gemma2_(9B)-Alpaca.py", "gemma-2-9b-it"),
+])
+def test_unsloth_scripts_are_read_with_ast_and_fit_the_t4_they_are_written_for(name, model):
+    path = CORPUS / name
+    assert "free** Tesla T4" in path.read_text().splitlines()[3]
+    result = check(CheckOptions(files=(str(path),), gpu="t4", model=model))
+    cfg = result.config
+    assert (cfg["method"], cfg["lora"]["r"], cfg["seq_len"]) == ("qlora", 16, 2048)
+    assert (cfg["micro_batch_size"], cfg["grad_accum"], cfg["grad_ckpt"]) == (2, 4, True)
+    assert cfg["precision"] == "fp16"  # dtype None: bf16 where the card has it, a T4 has not
+    assert result.verdict != "out_of_memory" and not result.diffs
+
+
+def test_a_python_script_is_never_executed_and_non_literals_cannot_be_told(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("import os\nfrom transformers import AutoModelForCausalLM, TrainingArguments\n"
+                    "raise SystemExit('executed')\n"
+                    "m = AutoModelForCausalLM.from_pretrained('qwen2.5-0.5b-instruct', "
+                    "load_in_4bit=os.environ['Q'])\n"
+                    "args = TrainingArguments(per_device_train_batch_size=4, bf16=True)\n")
+    with pytest.raises(CannotTellError, match="load_in_4bit.*--method"):
+        check(CheckOptions(files=(str(path),), gpu="a100-80gb", seq_len=512))
+    result = check(CheckOptions(files=(str(path),), gpu="a100-80gb", seq_len=512, method="full"))
+    assert result.config["micro_batch_size"] == 4

@@ -19,7 +19,12 @@ from .readers_glm import glm_edits, read_glm4
 from .readers_hf import hf_edits, read_hf_deepspeed
 from .readers_lf import llamafactory_edits, read_llamafactory, read_weclone, weclone_edits
 from .readers_trl import accelerate_edits, apply_accelerate, read_accelerate, read_trl, trl_edits
-from .scripts.reader import read_json_by_meaning, read_script, script_edits
+from .scripts.reader import (
+    read_json_by_meaning,
+    read_python_script,
+    read_script,
+    script_edits,
+)
 from .sources import Reading, Source, detect_kind
 
 Edits = list[tuple[str, tuple, Any]]
@@ -35,6 +40,7 @@ class ReadOptions:
 _ONE_FILE: dict[str, Callable[[Source, str | None], Reading]] = {
     "llamafactory": read_llamafactory, "weclone": read_weclone, "glm4": read_glm4,
     "trl": read_trl, "axolotl": read_axolotl, "launch": read_script,
+    "python": read_python_script,
 }
 
 
@@ -109,6 +115,7 @@ def oomless_edits(cfg: RunConfig, old: RunConfig, reading: Reading, model_type: 
 _EDITS: dict[str, Callable[[RunConfig, RunConfig, Reading, str], Edits]] = {
     "llamafactory": llamafactory_edits, "weclone": weclone_edits, "glm4": glm_edits,
     "trl": trl_edits, "axolotl": axolotl_edits, "launch": script_edits,
+    "python": lambda *a: [],
     "hf-deepspeed": hf_edits, "accelerate": accelerate_edits, "oomless": oomless_edits,
 }
 

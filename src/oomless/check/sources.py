@@ -37,6 +37,7 @@ class Source:
     data: dict[str, Any]
     lines: dict[str, int]
     command: LaunchCommand | None = None  # launch scripts: the parsed command
+    undecided: dict[str, int] = field(default_factory=dict)  # Python: non-literal settings
 
     def where(self, key: str) -> str:
         line = self.lines.get(key)
@@ -93,6 +94,11 @@ def source_from_text(path: Path, role: str, text: str) -> Source:
     suffix = path.suffix.lower()
     if suffix in (".json", ".jsonc", ".json5"):
         return _json_source(path, role, text)
+    if suffix == ".py":
+        from .scripts.pyscript import read_python
+
+        data, lines, undecided = read_python(text, str(path))
+        return Source(role, path, text, "py", data, lines, undecided=undecided)
     if suffix in (".sh", ".bash") or text.startswith("#!"):
         return _shell_source(path, role, text)
     from ..config import parse_yaml_with_lines
@@ -171,6 +177,8 @@ def detect_kind(src: Source) -> str:
     kind: str | None = None
     if src.fmt == "sh":
         kind = "launch"
+    elif src.fmt == "py":
+        kind = "python"
     elif src.fmt == "json":
         if _WECLONE_SECTIONS & set(d):
             kind = "weclone"

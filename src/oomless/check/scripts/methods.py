@@ -61,6 +61,8 @@ def _lora_on(s: dict[str, F.Setting], src: Source, r: Reading) -> tuple[bool, in
             on = False
     if _value(s, "qlora") is True or _value(s, "load_in_4bit") is True:
         bits = 4
+    if _value(s, "load_in_8bit") is True:
+        bits = 8
     if _value(s, "quant_bits") in (4, 8):
         bits = _value(s, "quant_bits")
     return on, bits

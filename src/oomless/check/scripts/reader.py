@@ -99,9 +99,27 @@ def _unknown_keys(src: Source, tool: str | None) -> dict[str, str]:
     known = F.flags_of(tool) | K.keys_of(*K.TRAINING_ARGUMENTS) | set(
         F.TOOLS[tool]["defaults"] if tool else ()) | set(F.TOOLS[tool].get("known", ())
                                                          if tool else ())
-    if tool is None:
+    if tool is None or not F.TOOLS[tool].get("known"):  # no argument classes of its own
         known |= F.flags_of(None)
     return {k: src.where(k) for k in src.data if k not in known}
+
+
+def read_python_script(src: Source, model: str | None) -> Reading:
+    """A Python training script read with ast (oomless.check.scripts.pyscript): its
+    literal arguments by meaning; no fix is written into Python code."""
+    r = read_by_meaning(src, model, "python-script")
+    for key, line in src.undecided.items():
+        word = F.memory_word(key) or ({"topic": F.MEANINGS[F.meaning_of(key, None)],
+                                       "settles": _settles(key, None)}
+                                      if F.meaning_of(key, None) else None)
+        if word:
+            cannot_tell(r, f"{key}= (not a literal)", f"{src.path}:{line}", word)
+    if "unsloth" in src.text:
+        r.run["stack"] = "unsloth"
+    r.fixed |= knob_set()
+    r.facts["batch_not_in_file"] = True
+    r.notes.append("fixes are not written into Python code: change the arguments by hand")
+    return r
 
 
 def read_json_by_meaning(src: Source, model: str | None) -> Reading | None:
@@ -116,8 +134,9 @@ def read_by_meaning(src: Source, model: str | None, json_tool: str | None = None
     tool = F.detect_tool(launch.program, set(a)) if launch else json_tool
     program = launch.program if launch else src.path.name
     label = F.TOOLS[tool]["label"] if tool else f"{program} (TrainingArguments flags)"
-    r = Reading("launch", f"{'launch script' if launch else 'arguments file'}: {label}",
-                {"main": src}, {})
+    what = "launch script" if launch else (
+        "training script" if src.fmt == "py" else "arguments file")
+    r = Reading("python" if src.fmt == "py" else "launch", f"{what}: {label}", {"main": src}, {})
     r.facts["script_tool"] = tool
     unknown = _unknown_keys(src, tool)
     for key, where in unknown.items():
