@@ -128,6 +128,9 @@ FILES: dict[str, tuple[str, dict]] = {
     "unsloth/Llama3.1_(8B)-Alpaca.py": ("t4", {"model": "llama-3.1-8b-instruct"}),
     "unsloth/Mistral_v0.3_(7B)-Conversational.py": ("t4", {"model": "mistral-7b-instruct-v0.3"}),
     "unsloth/Gemma2_(9B)-Alpaca.py": ("t4", {"model": "gemma-2-9b-it"}),
+    **{f"torchtune/{name}": ("rtx-4090", {"seq_len": 2048}) for name in (  # max_seq_len null
+        "llama3_1_8B_qlora_single_device.yaml", "llama3_1_8B_lora_single_device.yaml",
+        "llama3_1_8B_full_single_device.yaml", "qwen2_5_7B_lora_single_device.yaml")},
 }
 # A configuration with the launch configuration it is run with
 PAIRS: dict[tuple[str, str], tuple[str, dict]] = {

@@ -25,6 +25,7 @@ from .scripts.reader import (
     read_script,
     script_edits,
 )
+from .scripts.torchtune import read_torchtune, torchtune_edits
 from .sources import Reading, Source, detect_kind
 
 Edits = list[tuple[str, tuple, Any]]
@@ -40,7 +41,7 @@ class ReadOptions:
 _ONE_FILE: dict[str, Callable[[Source, str | None], Reading]] = {
     "llamafactory": read_llamafactory, "weclone": read_weclone, "glm4": read_glm4,
     "trl": read_trl, "axolotl": read_axolotl, "launch": read_script,
-    "python": read_python_script,
+    "python": read_python_script, "torchtune": read_torchtune,
 }
 
 
@@ -115,7 +116,7 @@ def oomless_edits(cfg: RunConfig, old: RunConfig, reading: Reading, model_type: 
 _EDITS: dict[str, Callable[[RunConfig, RunConfig, Reading, str], Edits]] = {
     "llamafactory": llamafactory_edits, "weclone": weclone_edits, "glm4": glm_edits,
     "trl": trl_edits, "axolotl": axolotl_edits, "launch": script_edits,
-    "python": lambda *a: [],
+    "python": lambda *a: [], "torchtune": torchtune_edits,
     "hf-deepspeed": hf_edits, "accelerate": accelerate_edits, "oomless": oomless_edits,
 }
 

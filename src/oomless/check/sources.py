@@ -152,6 +152,8 @@ _WECLONE_SECTIONS = {"train_sft_args", "train_pt_args", "common_args"}
 
 def _yaml_kind(d: dict[str, Any]) -> str | None:
     keys = set(d)
+    if isinstance(d.get("model"), dict) and "_component_" in d["model"]:
+        return "torchtune"
     if {"training_args", "data_config", "peft_config", "max_input_length"} & keys:
         return "glm4"
     if len(_AXOLOTL_KEYS & keys) >= 2:
