@@ -14,7 +14,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ...errors import ConfigError
@@ -211,3 +211,15 @@ def processes(launch: Launch, script: ShellScript) -> int | Unknown | None:
         return (_count(launch.env("NPROC_PER_NODE", script)) or _visible(launch, script)
                 or every_gpu)
     return _visible(launch, script) or every_gpu
+
+
+def find_file(ref: str, script: Path) -> Path | None:
+    """A file a script names: in the working directory, next to the script, then in the
+    script's parent folders."""
+    p = Path(ref).expanduser()
+    if p.is_absolute():
+        return p if p.is_file() else None
+    for base in [Path.cwd(), script.parent, *list(script.resolve().parent.parents)[:4]]:
+        if (base / p).is_file():
+            return base / p
+    return None

@@ -13,7 +13,6 @@ the oomless option that settles it (oomless.check.scripts.decide).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ...config import RunConfig
@@ -25,6 +24,7 @@ from ..readers_hf import read_launch as read_llava
 from ..sources import Reading, Source, knob_set, load_source
 from . import flags as F
 from .decide import cannot_tell, gpu_count
+from .launchers import find_file
 from .methods import method_of, precision_of, unmodelled, zero_of
 
 TRAINING_ARGUMENTS_BATCH = 8  # TrainingArguments.per_device_train_batch_size default
@@ -51,18 +51,6 @@ def read_script(src: Source, model: str | None) -> Reading:
         gpu_count(src, reading)
         return reading
     return read_by_meaning(src, model)
-
-
-def find_file(ref: str, script: Path) -> Path | None:
-    """A file a script names: in the working directory, next to the script, then in the
-    script's parent folders."""
-    p = Path(ref).expanduser()
-    if p.is_absolute():
-        return p if p.is_file() else None
-    for base in [Path.cwd(), script.parent, *list(script.resolve().parent.parents)[:4]]:
-        if (base / p).is_file():
-            return base / p
-    return None
 
 
 def _delegate(src: Source, model: str | None) -> Reading:

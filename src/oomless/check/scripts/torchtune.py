@@ -91,7 +91,7 @@ def read_torchtune(src: Source, model: str | None, recipe: str | None = None) ->
 
 def read_tune_launch(src: Source, model: str | None) -> Reading:
     from .decide import gpu_count
-    from .reader import find_file
+    from .launchers import find_file
 
     launch = src.command.launch
     ref = src.command.args.get("config")
