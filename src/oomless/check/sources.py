@@ -136,7 +136,23 @@ def check_keys(src: Source, file_kind: str, prefix: str = "", skip: frozenset[st
     if reading is not None:
         reading.warnings.extend(report.warnings)
         reading.notes.extend(report.notes)
+        _undecided_keys(keys, file_kind, reading)
     return report.warnings
+
+
+def _undecided_keys(keys: dict[str, str], file_kind: str, reading: Reading) -> None:
+    """Unknown keys whose names speak of the method, the length or the GPU count: check
+    cannot tell what they do (oomless.check.scripts.decide settles or refuses)."""
+    from .scripts.flags import undecided
+
+    tools = K.FILE_TOOLS[file_kind]
+    unknown = {dotted: where for dotted, where in keys.items()
+               if not any(dotted.rsplit(".", 1)[-1] in K.TOOLS[t]["keys"] for t in tools)}
+    for item in undecided({k: w for k, w in unknown.items()}):
+        entry = {"what": f"unknown key '{item['key']}'", "where": item["where"], "topic": item["topic"],
+                 "settles": item["settles"]}
+        if entry not in reading.facts.setdefault("undecided", []):
+            reading.facts["undecided"].append(entry)
 
 
 _LF_KEYS = {"finetuning_type", "cutoff_len", "stage", "template", "lora_target", "dataset_dir",

@@ -73,6 +73,5 @@ def settle(reading: Reading, opts: Any) -> None:
         first = open_items[0]
         more = (f" (and {len(open_items) - 1} more: "
                 + ", ".join(i["what"] for i in open_items[1:]) + ")") if len(open_items) > 1 else ""
-        raise CannotTellError(f"can't tell {first['topic']}: {first['what']} at {first['where']} "
-                              f"is not understood without running; settle it with "
-                              f"{first['settles']}{more}")
+        raise CannotTellError(f"can't tell {first['topic']}: {first['what']} ({first['where']}); "
+                              f"settle it with {first['settles']}{more}")

@@ -131,7 +131,7 @@ def read_by_meaning(src: Source, model: str | None, json_tool: str | None = None
         r.warnings.append(f"{where}: unknown flag '--{key}': not a flag of {label} nor of "
                           "transformers TrainingArguments")
     for item in F.undecided(unknown):
-        cannot_tell(r, f"--{item['key']}", item["where"], item)
+        cannot_tell(r, f"unknown flag --{item['key']}", item["where"], item)
     for key, arg in (src.command.args.items() if launch else ()):
         if arg.unknown is not None and F.meaning_of(key, tool) is not None:
             word = {"topic": F.MEANINGS[F.meaning_of(key, tool)], "settles": _settles(key, tool)}
