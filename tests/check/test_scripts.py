@@ -375,3 +375,39 @@ def test_torchtune_verdicts_on_the_4090_of_its_readme(name, published_gib, verdi
     result = check(CheckOptions(files=(str(CORPUS / name),), gpu="rtx-4090", seq_len=2048))
     assert published_gib * 2**30 < result.gpu_memory_bytes  # the README ran it on a 4090
     assert result.verdict == verdict  # never out_of_memory for a run that ran
+
+
+# ---- launches that name a configuration, DeepSpeed files the script writes -----------------
+def test_llamafactory_cli_and_axolotl_launches_read_their_yaml(tmp_path):
+    for folder, name in (("llama-factory", "llama3_lora_sft.yaml"), ("axolotl", "qlora.yml")):
+        (tmp_path / name).write_text((CORPUS / folder / name).read_text())
+    lf = _script(tmp_path, "export NPROC_PER_NODE=4\nFORCE_TORCHRUN=1 llamafactory-cli train "
+                 "llama3_lora_sft.yaml\n")
+    reading = read_files(CheckOptions(files=(lf,)))
+    assert reading.kind == "llamafactory" and reading.run["hardware"]["gpus_per_node"] == 4
+    assert reading.run["method"] == "lora" and reading.run["seq_len"] == 1024
+    ax = _script(tmp_path, "accelerate launch --num_processes 2 -m axolotl.cli.train qlora.yml\n")
+    reading = read_files(CheckOptions(files=(ax,)))
+    assert reading.kind == "axolotl" and reading.run["hardware"]["gpus_per_node"] == 2
+    missing = _script(tmp_path, "llamafactory-cli train nowhere.yaml\n")
+    with pytest.raises(ConfigError, match="'nowhere.yaml' not found"):
+        read_files(CheckOptions(files=(missing,)))
+
+
+def test_a_deepspeed_file_written_by_a_heredoc_is_read(tmp_path):
+    path = _script(tmp_path, "STAGE=3\ncat <<EOF > ds.json\n{\"zero_optimization\": "
+                   "{\"stage\": $STAGE, \"offload_optimizer\": {\"device\": \"cpu\"}}}\nEOF\n"
+                   "torchrun --nproc_per_node 4 train.py --model_name_or_path "
+                   "qwen2.5-7b-instruct --model_max_length 1024 --deepspeed ds.json\n")
+    run = read_files(CheckOptions(files=(path,))).run
+    assert (run["zero"], run["offload"], run["hardware"]["gpus_per_node"]) == (3, "optimizer", 4)
+
+
+def test_a_fix_edits_the_literal_a_variable_holds(tmp_path):
+    path = _script(tmp_path, "BS=16\npython train.py --model_name_or_path qwen2.5-7b-instruct "
+                   "--model_max_length 1024 --bf16 True --per_device_train_batch_size $BS\n")
+    result = check(CheckOptions(files=(path,), gpu="rtx-4090", method="lora"))
+    assert result.exit_code == 1 and result.diffs
+    new = result.new_texts[path]
+    assert new.splitlines()[1].startswith("BS=") and new.splitlines()[1] != "BS=16"
+    assert "$BS" in new
