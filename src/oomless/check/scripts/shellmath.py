@@ -56,26 +56,7 @@ def expand_word(ev: Any, node: Any, value_from: int | None, split: bool) -> list
             _put(fields, ev.arithmetic(special.body, i), split and not quote, ev.script)
             i = m.end()
             continue
-        if quote == "'":
-            if c == "'":
-                quote = ""
-            else:
-                fields[-1].add(c)
-        elif c == "\\" and i + 1 < end:
-            nxt = text[i + 1]
-            if nxt != "\n":
-                fields[-1].add(nxt if not quote or nxt in '$`"\\' else c + nxt)
-            i += 2
-            continue
-        elif c == "'" and not quote:
-            quote = "'"
-            fields[-1].present = True
-        elif c == '"':
-            quote = "" if quote else '"'
-            fields[-1].present = True
-        else:
-            fields[-1].add(c)
-        i += 1
+        i, quote = _literal_char(text, i, end, quote, fields[-1])
     line = ev.line(node.pos[0])
     out = []
     for f in fields:
@@ -87,6 +68,31 @@ def expand_word(ev: Any, node: Any, value_from: int | None, split: bool) -> list
     if len(out) == 1 and not isinstance(out[0].value, Unknown):
         out[0].span = _literal_span(text, start, end, parts, single_var)
     return out
+
+
+def _literal_char(text: str, i: int, end: int, quote: str, field: _Field) -> tuple[int, str]:
+    """One character of a word outside expansions: quotes opened or closed, backslash
+    escapes as bash reads them (a line continuation disappears); the next offset and
+    the quote state."""
+    c = text[i]
+    if quote == "'":
+        if c == "'":
+            return i + 1, ""
+        field.add(c)
+    elif c == "\\" and i + 1 < end:
+        nxt = text[i + 1]
+        if nxt != "\n":
+            field.add(nxt if not quote or nxt in '$`"\\' else c + nxt)
+        return i + 2, quote
+    elif c == "'" and not quote:
+        field.present = True
+        return i + 1, "'"
+    elif c == '"':
+        field.present = True
+        return i + 1, "" if quote else '"'
+    else:
+        field.add(c)
+    return i + 1, quote
 
 
 def _put(fields: list[_Field], value: Any, split: bool, script: Any) -> None:

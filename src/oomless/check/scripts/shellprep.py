@@ -77,33 +77,56 @@ def _case_end(text: str, i: int) -> int:
     return -1
 
 
-def prepare(text: str) -> Prepared:
-    """The script with the constructs bashlex refuses replaced by same-length words."""
-    out = list(text)
-    specials: list[Special] = []
-    i, quote, comment = 0, "", False
+class _Preparer:
+    def __init__(self, text: str) -> None:
+        self.text, self.out = text, list(text)
+        self.specials: list[Special] = []
 
-    def put(kind: str, start: int, end: int, body: str, name: str = "",
-            keep: str = "") -> None:
-        specials.append(Special(kind, start, end, body, name))
-        core = keep + f"@@{len(specials) - 1}"
+    def put(self, kind: str, start: int, end: int, body: str, name: str = "",
+            keep: str = "") -> int:
+        """Replace text[start:end] by a placeholder; the offset after it."""
+        self.specials.append(Special(kind, start, end, body, name))
+        core = keep + f"@@{len(self.specials) - 1}"
         broken = False  # after a line break: blanks, the break kept (lines stay true)
         for k in range(start, end):
-            if text[k] == "\n":
-                broken = True
+            broken = broken or self.text[k] == "\n"
             at = k - start
-            out[k] = "\n" if text[k] == "\n" else (
+            self.out[k] = "\n" if self.text[k] == "\n" else (
                 core[at] if at < len(core) else (" " if broken else "@"))
+        return end
 
+    def statement(self, i: int) -> int | None:
+        """At the start of a statement: an array, a case or a ``[[``; the offset after a
+        replaced construct, else None."""
+        text = self.text
+        m = _NAME_ARRAY.match(text, i)
+        end = _closing(text, m.end()) if m else -1
+        if m and end > 0:
+            return self.put("array", i, end, text[m.end():end - 1], m.group(1),
+                            keep=m.group(0)[:-1])
+        if re.match(r"case\s", text[i:i + 5]):
+            end = _case_end(text, i)
+            if end > 0:
+                return self.put("case", i, end, text[i:end], keep=": ")
+        if text.startswith("[[", i) and (i + 2 == len(text) or text[i + 2].isspace()):
+            self.out[i + 1] = " "
+        return None
+
+
+def prepare(text: str) -> Prepared:
+    """The script with the constructs bashlex refuses replaced by same-length words."""
+    p = _Preparer(text)
+    i, quote, comment = 0, "", False
     while i < len(text):
         c = text[i]
+        jump = None
         if comment:
             comment = c != "\n"
         elif quote == "'":
             quote = "" if c == "'" else quote
         elif c == "\\":
             if text.startswith("\n", i + 1):  # a line continuation: bashlex would drop it
-                out[i] = out[i + 1] = " "      # and shift every later offset
+                p.out[i] = p.out[i + 1] = " "    # and shift every later offset
             i += 1
         elif c == "'" and not quote:
             quote = "'"
@@ -114,26 +137,14 @@ def prepare(text: str) -> Prepared:
         elif text.startswith("$((", i):
             end = _closing(text, i + 3, depth=2)
             if end > 0 and text[end - 2:end] == "))":
-                put("arith", i, end, text[i + 3:end - 2])
-                i = end
-                continue
+                jump = p.put("arith", i, end, text[i + 3:end - 2])
         elif not quote and _at_statement_start(text, i):
-            m = _NAME_ARRAY.match(text, i)
-            end = _closing(text, m.end()) if m else -1
-            if m and end > 0:
-                put("array", i, end, text[m.end():end - 1], m.group(1), keep=m.group(0)[:-1])
-                i = end
-                continue
-            if re.match(r"case\s", text[i:i + 5]):
-                end = _case_end(text, i)
-                if end > 0:
-                    put("case", i, end, text[i:end], keep=": ")
-                    i = end
-                    continue
-            if text.startswith("[[", i) and (i + 2 == len(text) or text[i + 2].isspace()):
-                out[i + 1] = " "
+            jump = p.statement(i)
+        if jump is not None:
+            i = jump
+            continue
         if not quote and not comment and text.startswith("]]", i) and (
                 i + 2 == len(text) or text[i + 2] in " \t\n;&|)") and text[i - 1].isspace():
-            out[i] = " "
+            p.out[i] = " "
         i += 1
-    return Prepared("".join(out), specials)
+    return Prepared("".join(p.out), p.specials)
