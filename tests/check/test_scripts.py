@@ -11,6 +11,8 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from oomless.check.checker import CheckOptions, check, read_files
 from oomless.check.scripts import flags as F
@@ -411,3 +413,27 @@ def test_a_fix_edits_the_literal_a_variable_holds(tmp_path):
     new = result.new_texts[path]
     assert new.splitlines()[1].startswith("BS=") and new.splitlines()[1] != "BS=16"
     assert "$BS" in new
+
+
+def test_the_legacy_distributed_launch_and_its_boolean_flag():
+    s = _shell("python -m torch.distributed.launch --use_env --nproc_per_node=8 train.py --a 1\n")
+    found = find_launch(s, "run.sh")
+    assert (found.launcher, found.program, found.gpus) == ("torchrun", "train.py", 8)
+
+
+# ---- properties ------------------------------------------------------------------------------
+_LITERAL = st.text(st.sampled_from("abcxyz019_./-"), min_size=1, max_size=12).filter(
+    lambda v: not v.startswith("-"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(value=_LITERAL, quoted=st.booleans(), default=st.booleans())
+def test_a_variable_reads_back_its_literal_and_its_span(value, quoted, default):
+    written = f'"{value}"' if quoted else value
+    text = (f"X=${{X:-{written}}}\n" if default else f"X={written}\n") + "run --k $X\n"
+    s = _shell(text)
+    word = s.commands[-1].argv[-1]
+    assert word.value == value
+    if not default:
+        start, end = word.span
+        assert text[start:end] == value  # a fix edits exactly the literal
