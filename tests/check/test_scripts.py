@@ -125,7 +125,8 @@ def test_every_launcher_is_recognised(line, launcher, program, gpus):
 
 def test_launcher_option_tables_are_sourced():
     for name, row in LAUNCHERS.items():
-        assert re.match(r"(torch|deepspeed|accelerate) [0-9.]+ \S+\.py$", row["source"]), name
+        assert re.match(r"(torch|deepspeed|accelerate) [0-9.]+ \S+\.py$|Slurm srun\(1\) manual",
+                        row["source"]), name
         assert row["processes"], name
 
 
@@ -437,3 +438,12 @@ def test_a_variable_reads_back_its_literal_and_its_span(value, quoted, default):
     if not default:
         start, end = word.span
         assert text[start:end] == value  # a fix edits exactly the literal
+
+
+def test_slurm_srun_runs_one_task_per_gpu():
+    s = _shell('GPUS_PER_NODE=${GPUS_PER_NODE:-8}\nSRUN_ARGS=${SRUN_ARGS:-""}\n'
+               "srun -p part --gres=gpu:${GPUS_PER_NODE} --ntasks-per-node=${GPUS_PER_NODE} "
+               "--kill-on-bad-exit=1 ${SRUN_ARGS} python -u train.py --a 1\n")
+    found = find_launch(s, "run.sh")
+    assert (found.launcher, found.program, found.gpus) == ("srun", "train.py", 8)
+    assert [w.value for w in found.args] == ["--a", "1"]

@@ -23,7 +23,7 @@ from .shell import Command, ShellScript, Unknown, Word
 LAUNCHERS: dict[str, dict[str, Any]] = json.loads(
     resources.files("oomless.data").joinpath("script_flags.json").read_text(encoding="utf-8"))[
     "launchers"]
-_WRAPPERS = {"nohup", "time", "exec", "env", "sudo", "srun", "stdbuf", "numactl"}
+_WRAPPERS = {"nohup", "time", "exec", "env", "sudo", "stdbuf", "numactl"}
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
 _CLIS = {"llamafactory-cli": ("train",), "lmf": ("train",), "swift": ("sft", "rlhf", "pt"),
          "tune": ("run",), "axolotl": ("train",)}
@@ -135,6 +135,8 @@ def launch_of(cmd: Command) -> Launch | None:
         return None
     name = PurePosixPath(_text(argv[0])).name
     found: Launch | None = None
+    if name == "srun":  # Slurm: one task per GPU, each running the program
+        return _srun(argv, cmd)
     if _PYTHON.match(name):
         found = _python(argv, cmd)
     elif name in ("torchrun", "deepspeed"):
@@ -147,6 +149,16 @@ def launch_of(cmd: Command) -> Launch | None:
         ends = [w.end for w in cmd.argv if w.end > 0]
         found.end = max(ends) if ends else cmd.end
     return found
+
+
+def _srun(argv: list[Word], cmd: Command) -> Launch | None:
+    opts, at, _m = _options(argv[1:], "srun")
+    inner = launch_of(Command(argv[1 + at:], cmd.prefix, cmd.env, cmd.line, cmd.end))
+    if inner is None:
+        return None
+    if inner.launcher == "python":
+        inner.launcher, inner.launcher_args = "srun", opts
+    return inner
 
 
 def find_launch(script: ShellScript, where: str) -> Launch:
@@ -195,6 +207,11 @@ def processes(launch: Launch, script: ShellScript) -> int | Unknown | None:
                 if got is None and word.value in ("gpu", "auto"):
                     return every_gpu
                 return got
+        gres = launch.launcher_args.get("gres")
+        if launch.launcher == "srun" and gres is not None:
+            got = gres.value if isinstance(gres.value, Unknown) else _count(
+                str(gres.value).rsplit(":", 1)[-1])
+            return got if got is not None else every_gpu
         include = launch.launcher_args.get("include")
         if include is not None and isinstance(include.value, str) and ":" in include.value:
             return len(include.value.split(":", 1)[1].split(","))
