@@ -51,9 +51,11 @@ def expand_word(ev: Any, node: Any, value_from: int | None, split: bool) -> list
             i = part.pos[1]
             continue
         m = shellprep.PLACEHOLDER.match(text, i) if c == "@" and quote != "'" else None
-        if m and ev.prep.specials[int(m.group(1))].kind == "arith":
-            special = ev.prep.specials[int(m.group(1))]
-            _put(fields, ev.arithmetic(special.body, i), split and not quote, ev.script)
+        special = ev.prep.specials[int(m.group(1))] if m else None
+        if special is not None and special.kind in ("arith", "cmdsub"):
+            value = ev.arithmetic(special.body, i) if special.kind == "arith" else \
+                command_output(special.body, ev.line(i))
+            _put(fields, value, split and not quote, ev.script)
             i = m.end()
             continue
         i, quote = _literal_char(text, i, end, quote, fields[-1])
@@ -112,18 +114,23 @@ def _put(fields: list[_Field], value: Any, split: bool, script: Any) -> None:
 
 
 def _part_value(ev: Any, part: Any) -> tuple[Any, Any]:
-    from .values import Unknown
 
     if part.kind == "parameter":
         return ev.parameter(part.value, part.pos[0])
     if part.kind == "tilde":
         return part.value, None
     raw = ev.text[part.pos[0]:part.pos[1]] if ev.text else "$(...)"
-    unknown = Unknown(raw, ev.line(part.pos[0]), "is the output of a command, known only "
-                      "when the script runs")
+    return command_output(raw, ev.line(part.pos[0])), None
+
+
+def command_output(raw: str, line: int) -> Any:
+    """The unknown output of ``$(...)`` / backticks."""
+    from .values import Unknown
+
+    unknown = Unknown(raw, line, "is the output of a command, known only when the script runs")
     if unknown.gpu_count:
-        unknown = Unknown(raw, unknown.line, "counts the GPUs when the script runs")
-    return unknown, None
+        unknown = Unknown(raw, line, "counts the GPUs when the script runs")
+    return unknown
 
 
 def _literal_span(text: str, start: int, end: int, parts: list[Any],

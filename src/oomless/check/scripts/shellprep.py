@@ -20,9 +20,9 @@ _STATEMENT_WORDS = {"do", "then", "else", "elif", "if", "while", "until", "!", "
 
 @dataclass
 class Special:
-    """One construct replaced by a placeholder: arith | array | case."""
+    """One construct replaced by a placeholder."""
 
-    kind: str
+    kind: str  # arith | array | case | cmdsub
     start: int
     end: int
     body: str  # the arithmetic expression, the array's items, or the whole case statement
@@ -138,6 +138,10 @@ def prepare(text: str) -> Prepared:
             end = _closing(text, i + 3, depth=2)
             if end > 0 and text[end - 2:end] == "))":
                 jump = p.put("arith", i, end, text[i + 3:end - 2])
+        elif text.startswith("$(", i):  # a command's output: known only when it runs
+            end = _closing(text, i + 2)
+            if end > 0:
+                jump = p.put("cmdsub", i, end, text[i:end])
         elif not quote and _at_statement_start(text, i):
             jump = p.statement(i)
         if jump is not None:
