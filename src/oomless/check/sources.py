@@ -148,7 +148,7 @@ def _undecided_keys(keys: dict[str, str], file_kind: str, reading: Reading) -> N
     tools = K.FILE_TOOLS[file_kind]
     unknown = {dotted: where for dotted, where in keys.items()
                if not any(dotted.rsplit(".", 1)[-1] in K.TOOLS[t]["keys"] for t in tools)}
-    for item in undecided({k: w for k, w in unknown.items()}):
+    for item in undecided(unknown):
         entry = {"what": f"unknown key '{item['key']}'", "where": item["where"], "topic": item["topic"],
                  "settles": item["settles"]}
         if entry not in reading.facts.setdefault("undecided", []):
