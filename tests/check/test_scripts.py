@@ -246,6 +246,9 @@ def test_openrlhf_old_and_dotted_flags():
         assert run["seq_len"] == 2048 and run["micro_batch_size"] == 2
     assert old["attn"] == "flash" and old["precision"] == "bf16"
     assert new["data"]["packing"] is True
+    settled = check(CheckOptions(files=(str(CORPUS / "openrlhf/train_sft.sh"),),
+                                 gpu="a100-80gb x8"))
+    assert settled.config["grad_accum"] == 256 // (2 * 8)  # --train.batch_size 256
     assert _run("openrlhf/train_sft_mixtral_lora.sh")["lora"]["r"] == 64
 
 

@@ -65,6 +65,13 @@ def settle(reading: Reading, opts: Any) -> None:
             continue
         reading.notes.append(f"{item['where']}: {item['what']}: {item['topic']} taken from "
                              f"{item['settles'].split()[0]} {value}")
+    total = reading.facts.get("global_batch")
+    if total and given[GPU_OPTION] and not (reading.run.get("hardware") or {}).get(
+            "gpus_per_node"):
+        from ...models.hardware import parse_gpu_arg
+
+        gpus = parse_gpu_arg(given[GPU_OPTION]).gpus_per_node
+        reading.run["grad_accum"] = max(1, total // (reading.run["micro_batch_size"] * gpus))
     mine = "script_tool" in reading.facts  # a script read by the meaning of its flags
     for option, key in (("--method", "method"), ("--seq-len", "seq_len")):
         if given[option] and (mine or any(i["settles"] == option for i in undecided)):

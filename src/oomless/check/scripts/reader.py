@@ -220,6 +220,7 @@ def _batch(s: dict[str, F.Setting], run: dict[str, Any], r: Reading) -> None:
     gpus = (run.get("hardware") or {}).get("gpus_per_node")
     if total is None or not isinstance(total.value, int):
         return
+    r.facts["global_batch"] = total.value  # accumulation = global / (micro × GPUs)
     if gpus:
         run["grad_accum"] = max(1, total.value // (run["micro_batch_size"] * gpus))
     r.facts["batch_not_in_file"] = True  # the accumulation is computed, not written
