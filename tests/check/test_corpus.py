@@ -128,6 +128,12 @@ FILES: dict[str, tuple[str, dict]] = {
     "unsloth/Llama3.1_(8B)-Alpaca.py": ("t4", {"model": "llama-3.1-8b-instruct"}),
     "unsloth/Mistral_v0.3_(7B)-Conversational.py": ("t4", {"model": "mistral-7b-instruct-v0.3"}),
     "unsloth/Gemma2_(9B)-Alpaca.py": ("t4", {"model": "gemma-2-9b-it"}),
+    "llama-factory-0.6/examples/lora_single_gpu/sft.sh": ("rtx-4090", {"model": "llama-2-7b"}),
+    "llama-factory-0.6/examples/qlora_single_gpu/bitsandbytes.sh": ("rtx-4090",
+                                                                    {"model": "llama-2-7b"}),
+    "llama-factory-0.6/examples/full_multi_gpu/single_node.sh": ("rtx-4090", {"model": LLAMA3}),
+    "llama-factory-0.6/examples/full_multi_gpu/llama3_full_sft.yaml": ("a100-80gb x4",
+                                                                       {"model": LLAMA3}),
     **{f"torchtune/{name}": ("rtx-4090", {"seq_len": 2048}) for name in (  # max_seq_len null
         "llama3_1_8B_qlora_single_device.yaml", "llama3_1_8B_lora_single_device.yaml",
         "llama3_1_8B_full_single_device.yaml", "qwen2_5_7B_lora_single_device.yaml")},

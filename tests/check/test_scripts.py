@@ -450,3 +450,16 @@ def test_slurm_srun_runs_one_task_per_gpu():
     found = find_launch(s, "run.sh")
     assert (found.launcher, found.program, found.gpus) == ("srun", "train.py", 8)
     assert [w.value for w in found.args] == ["--a", "1"]
+
+
+def test_llamafactory_arguments_on_the_command_line_and_its_yaml_launch():
+    base = "llama-factory-0.6/examples"
+    lora = read_files(CheckOptions(files=(str(CORPUS / base / "lora_single_gpu/sft.sh"),)))
+    assert lora.kind == "llamafactory" and lora.run["method"] == "lora"
+    assert lora.run["lora"]["targets"] == ["q_proj", "v_proj"] and lora.run["seq_len"] == 1024
+    assert lora.run["precision"] == "fp16" and lora.run["hardware"]["gpus_per_node"] == 1
+    q = read_files(CheckOptions(files=(str(CORPUS / base / "qlora_single_gpu/bitsandbytes.sh"),)))
+    assert q.run["method"] == "qlora" and q.run["quantization"]["bits"] == 4
+    full = read_files(CheckOptions(files=(str(CORPUS / base / "full_multi_gpu/single_node.sh"),)))
+    assert full.run["method"] == "full" and full.run["zero"] == 3
+    assert full.run["hardware"]["gpus_per_node"] == 4  # --nproc_per_node $NPROC_PER_NODE

@@ -13,6 +13,7 @@ the oomless option that settles it (oomless.check.scripts.decide).
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
 from typing import Any
 
 from ...config import RunConfig
@@ -28,6 +29,8 @@ from .launchers import find_file
 from .methods import method_of, precision_of, unmodelled, zero_of
 
 TRAINING_ARGUMENTS_BATCH = 8  # TrainingArguments.per_device_train_batch_size default
+# LLaMA-Factory's entry scripts (src/train_bash.py in 0.5-0.6, src/train.py after)
+LF_PROGRAMS = ("train_bash.py", "train.py")
 
 
 def _is_llava(src: Source) -> bool:
@@ -42,6 +45,11 @@ def read_script(src: Source, model: str | None) -> Reading:
     if launch.launcher.startswith(("llamafactory-cli", "lmf", "axolotl")) or (
             launch.kind == "module" and launch.program.startswith("axolotl.cli.train")):
         return _delegate(src, model)
+    if PurePosixPath(launch.program).name in LF_PROGRAMS:  # LLaMA-Factory's own scripts
+        if any(str(w.value).endswith((".yaml", ".yml")) for w in launch.args[:1]):
+            return _delegate(src, model)
+        if {"stage", "finetuning_type"} & set(src.data):
+            return _lf_command_line(src, model)
     if launch.launcher == "tune run":
         from .torchtune import read_tune_launch
 
@@ -51,6 +59,19 @@ def read_script(src: Source, model: str | None) -> Reading:
         gpu_count(src, reading)
         return reading
     return read_by_meaning(src, model)
+
+
+def _lf_command_line(src: Source, model: str | None) -> Reading:
+    """LLaMA-Factory arguments on the command line (``python src/train_bash.py --stage sft
+    --finetuning_type lora ...``, LLaMA-Factory 0.5-0.6): its YAML reader on the flags; a fix
+    changes only the batch, checkpointing and the evaluation batch (flags taking a value)."""
+    from ..readers_lf import read_llamafactory
+
+    reading = read_llamafactory(src, model)
+    reading.label = "LLaMA-Factory command line"
+    reading.fixed |= knob_set("grad_ckpt", "eval_batch")
+    gpu_count(src, reading)
+    return reading
 
 
 def _delegate(src: Source, model: str | None) -> Reading:
