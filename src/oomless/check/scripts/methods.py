@@ -98,7 +98,11 @@ def method_of(s: dict[str, F.Setting], tool: str | None, src: Source,
     if bits:
         method_q = _value(s, "quant_method")
         extra["quantization"] = {"bits": bits, "type": "nf4", "double_quant": True}
-        if method_q not in (None, "bnb"):
+        if tool == "qwen-finetune":
+            r.assumptions.append("Qwen finetune.py --q_lora loads the GPTQ Int4 checkpoint "
+                                 "(GPTQConfig(bits=4, disable_exllama=True)): sized as 4-bit "
+                                 "weights like bitsandbytes nf4")
+        elif method_q not in (None, "bnb"):
             r.assumptions.append(f"quant_method {method_q}: a pre-quantized {bits}-bit base, "
                                  "sized as bitsandbytes {bits}-bit weights")
         return "qlora", extra
