@@ -42,3 +42,9 @@ class GPUUnavailableError(OomlessError):
     """A command that needs an NVIDIA GPU ran on a machine without one."""
 
     exit_code = 1
+
+
+class CannotTellError(OomlessError):
+    """A file whose memory depends on something only running it can tell, or on a
+    setting oomless does not understand: the message names it and the option that
+    settles it (exit code 2)."""

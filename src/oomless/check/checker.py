@@ -32,6 +32,7 @@ from ..result import TRAIN_PHASES
 from . import foreign_keys as K
 from .reading import ReadOptions, edits_for, read_sources
 from .rules import RuleContext, allowed_shardings, broken_rules, config_warnings
+from .scripts.decide import settle
 from .settings import apply_data, unmodelled_settings
 from .sources import Reading, load_source, source_from_text
 from .textedit import new_file_diff, set_value, unified_diff
@@ -215,7 +216,9 @@ def apply_edits(reading: Reading, edits: list) -> dict[str, str]:
 def _reread(reading: Reading, texts: dict[str, str], opts: CheckOptions) -> Reading:
     edited = [source_from_text(src.path, src.role, texts[role])
               for role, src in reading.sources.items()]
-    return read_sources(edited, ReadOptions(opts.model, opts.method, opts.seq_len))
+    back = read_sources(edited, ReadOptions(opts.model, opts.method, opts.seq_len))
+    settle(back, opts)
+    return back
 
 
 def diff_name(path: Path) -> str:
@@ -316,10 +319,15 @@ def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
                              "(--model)")
     try:
         return resolve_model(str(model)).spec
-    except UnknownModelError:
+    except UnknownModelError as err:
         entry = find_entry(Path(str(model)).name)
         if entry is None or not str(model).startswith((".", "/", "~")):
-            raise
+            if opts.model:
+                raise
+            raise UnknownModelError(f"the file names the model '{model}', which oomless "
+                                    "cannot resolve: pass --model NAME (a catalog model of the "
+                                    f"same architecture) or --model path/to/config.json. {err}"
+                                    ) from None
     reading.notes.append(f"'{model}' is not on this machine: read as the catalog model "
                          f"{entry.name} of the same name (--model to choose another)")
     reading.run["model"] = entry.name
@@ -362,6 +370,7 @@ def check(opts: CheckOptions) -> CheckResult:
         if task != "train":
             return check_task(src, task, opts)
     reading = read_files(opts)
+    settle(reading, opts)  # "can't tell" unless an option settles it
     spec = resolve(reading, opts)
     cluster = _cluster(opts, reading.run)
     reading = apply_data(reading, opts, spec)

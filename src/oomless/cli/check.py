@@ -14,7 +14,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "check", help="check an existing training config for OOM; print the smallest fix as a diff",
         description="Read a LLaMA-Factory YAML, WeClone settings, a GLM-4 finetune YAML, a TRL "
-        "/ alignment-handbook recipe, an axolotl YAML, a LLaVA / MoE-LLaVA launch script, a "
+        "/ alignment-handbook recipe, an axolotl YAML, a launch script (read with a shell "
+        "parser, never run: torchrun, deepspeed, accelerate, python, llamafactory-cli, swift, "
+        "tune run, axolotl), a Python training script (read with ast), a torchtune config, a "
         "TrainingArguments JSON with a DeepSpeed JSON, a configuration with its accelerate "
         "config, or an oomless.yaml; predict each phase's memory; when it does not fit within "
         "the headroom, print the smallest change (same effective batch) as a unified diff of "
@@ -22,7 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "patch -p1 < fix.patch` applies it. Exit code 0: fits (within the headroom, and the upper bound "
         "of the estimate's uncertainty band fits the GPU); 1: tight (the GPU's memory lies "
         "inside the band, or only the headroom is missed) or out of memory (even the band's "
-        "lower bound does not fit): the fix is printed; 2: bad input.")
+        "lower bound does not fit): the fix is printed; 2: bad input, or can't tell (a setting "
+        "that changes memory is not understood or only known when the script runs: the "
+        "message names it and the option that settles it).")
     p.add_argument("files", nargs="+", metavar="FILE",
                    help="the configuration (two files: TrainingArguments JSON and DeepSpeed "
                    "JSON, or a configuration and its accelerate config)")
@@ -31,9 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=POSITIVE)
     p.add_argument("--model", help="the model, where the file does not name it (GLM-4, "
                    "DeepSpeed/TrainingArguments) or to override it")
-    p.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (DeepSpeed/TrainingArguments)")
+    p.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (DeepSpeed/TrainingArguments, "
+                   "scripts and configs that do not state it)")
     p.add_argument("--method", choices=["full", "lora", "qlora"],
-                   help="DeepSpeed/TrainingArguments/accelerate only (default full)")
+                   help="DeepSpeed/TrainingArguments/accelerate (default full), or where check "
+                   "cannot tell the method of a script")
     p.add_argument("--images", type=NON_NEGATIVE, help="images per sample (vision-language)")
     p.add_argument("--data", metavar="FILE", help="the training data (.json/.jsonl/.parquet): "
                    "estimate at its longest sample instead of the cutoff")
