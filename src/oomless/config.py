@@ -348,9 +348,10 @@ _STR_TAG = "tag:yaml.org,2002:str"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-def _check_yaml_tree(root: Any, path: str | Path) -> None:
-    """Refuse alias cycles, expansion beyond MAX_YAML_NODES, deep nesting and keys that
-    are not names — on the node graph, where every alias is one shared node."""
+def _check_yaml_tree(root: Any, path: str | Path, text: str) -> None:
+    """Refuse alias cycles, expansion beyond MAX_YAML_NODES, deep nesting and the keys
+    :func:`_check_mapping_keys` refuses — on the node graph, where every alias is one
+    shared node."""
     import yaml
 
     expanded: dict[int, int] = {}  # node id -> nodes it stands for, aliases expanded
@@ -365,7 +366,7 @@ def _check_yaml_tree(root: Any, path: str | Path) -> None:
             kids = _yaml_children(node)
             expanded[key] = 1 + sum(expanded[id(k)] for k in kids)
             depth_of[key] = 1 + max((depth_of[id(k)] for k in kids), default=0)
-            if expanded[key] > MAX_YAML_NODES:
+            if expanded[key] > MAX_YAML_NODES:  # the file itself holds fewer (event count)
                 raise ConfigError(
                     f"'{path}': its anchors and aliases expand to more than "
                     f"{MAX_YAML_NODES:,} values (line {node.start_mark.line + 1}); a "
@@ -382,13 +383,34 @@ def _check_yaml_tree(root: Any, path: str | Path) -> None:
         active.add(key)
         stack.append((node, True))
         if isinstance(node, yaml.MappingNode):
-            for key_node, _ in node.value:
-                if not (isinstance(key_node, yaml.ScalarNode)
-                        and key_node.tag in (_STR_TAG, _MERGE_TAG)):
-                    raise ConfigError(
-                        f"{path}:{key_node.start_mark.line + 1}: a key must be a name; "
-                        f"got {key_node.tag.rsplit(':', 1)[-1]} {_short(key_node)} (quote it)")
+            _check_mapping_keys(node, path, text)
         stack.extend((k, False) for k in _yaml_children(node) if id(k) not in expanded)
+
+
+def _check_mapping_keys(node: Any, path: str | Path, text: str) -> None:
+    """Every key is a name, appears once (YAML would keep the last value without a word)
+    and is followed by ``:`` and a space, not a tab (libyaml accepts the tab, PyYAML's own
+    scanner does not: the two readers of the same file would disagree)."""
+    import yaml
+
+    seen: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        line = key_node.start_mark.line + 1
+        if not (isinstance(key_node, yaml.ScalarNode)
+                and key_node.tag in (_STR_TAG, _MERGE_TAG)):
+            raise ConfigError(f"{path}:{line}: a key must be a name; got "
+                              f"{key_node.tag.rsplit(':', 1)[-1]} {_short(key_node)} (quote it)")
+        if key_node.tag == _STR_TAG:
+            if key_node.value in seen:
+                raise ConfigError(
+                    f"{path}:{line}: key '{key_node.value}' appears twice (first on line "
+                    f"{seen[key_node.value]}); YAML would keep only the last value: remove "
+                    "one of them")
+            seen[key_node.value] = line
+        gap = text[key_node.end_mark.index:value_node.start_mark.index]
+        if "\t" in gap.split("\n", 1)[0].split("#", 1)[0]:
+            raise ConfigError(f"{path}:{line}: a tab after '{key_node.value}:'; YAML separates "
+                              "a key from its value with spaces: replace the tab with a space")
 
 
 def _yaml_children(node: Any) -> list[Any]:
@@ -422,15 +444,21 @@ def _yaml_loader() -> Any:
 
 
 def _check_yaml_nesting(text: str, path: str | Path) -> None:
-    """Refuse nesting deeper than MAX_YAML_DEPTH from the event stream (iterative), before
-    any recursive composer runs: deep nesting overflows PyYAML's (and libyaml's) stack."""
+    """Refuse nesting deeper than MAX_YAML_DEPTH and more than MAX_YAML_NODES values as
+    written (an alias counts once) from the event stream (iterative), before any recursive
+    composer runs: deep nesting overflows PyYAML's (and libyaml's) stack."""
     import yaml
 
     loader = _yaml_loader()(text)
-    depth = 0
+    depth = values = 0
     try:
         while not loader.check_event(yaml.StreamEndEvent):
             event = loader.get_event()
+            values += isinstance(event, yaml.NodeEvent)
+            if values > MAX_YAML_NODES:
+                raise ConfigError(f"'{path}' holds more than {MAX_YAML_NODES:,} values (line "
+                                  f"{event.start_mark.line + 1}); a configuration file is far "
+                                  "smaller")
             if isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
                 depth += 1
                 if depth > MAX_YAML_DEPTH:
@@ -467,7 +495,7 @@ def parse_yaml_with_lines(text: str, path: str | Path) -> tuple[dict[str, Any], 
             kind = "a list" if isinstance(root, yaml.SequenceNode) else "a single value"
             raise ConfigError(f"'{path}': expected a mapping of keys at the top level, "
                               f"got {kind}")
-        _check_yaml_tree(root, path)
+        _check_yaml_tree(root, path, text)
         data = loader.construct_document(root)
         lines = _key_lines(root)
     except yaml.YAMLError as err:

@@ -87,7 +87,10 @@ def set_yaml(text: str, path: tuple[str, ...], value: Any) -> str:
     """The YAML text with the value at ``path`` set (replaced or inserted)."""
     import yaml
 
-    root = yaml.compose(text) if text.strip() else None
+    try:
+        root = yaml.compose(text) if text.strip() else None
+    except yaml.YAMLError as err:  # the reader (config.parse_yaml_with_lines) passed it
+        raise ConfigError(f"cannot edit this YAML: {err}") from None
     if root is None:
         return text + _nested_yaml(list(path), value, 0)
     node = root
@@ -194,11 +197,21 @@ def set_json(text: str, path: tuple[str, ...], value: Any) -> str:
 
 
 def set_value(src: Any, text: str, path: tuple[str, ...], value: Any) -> str:
-    """``text`` (the current text of ``src``'s file) with ``path`` set to ``value``."""
+    """``text`` (the current text of ``src``'s file) with ``path`` set to ``value``; the
+    lines added end as the file's lines do (:func:`keep_line_ends`)."""
     if src.fmt == "json":
-        return set_json(text, path, value)
+        return keep_line_ends(text, set_json(text, path, value))
     if src.fmt == "sh":
         from .shellargs import parse_launch, set_shell_arg
 
-        return set_shell_arg(text, parse_launch(text, str(src.path)), path[-1], value)
-    return set_yaml(text, path, value)
+        new = set_shell_arg(text, parse_launch(text, str(src.path)), path[-1], value)
+        return keep_line_ends(text, new)
+    return keep_line_ends(text, set_yaml(text, path, value))
+
+
+def keep_line_ends(old: str, new: str) -> str:
+    """``new`` with CRLF line ends where every line of ``old`` ends in CRLF (Windows
+    files); a file with LF or mixed ends is left as the edit made it."""
+    if "\r\n" not in old or old.count("\n") != old.count("\r\n"):
+        return new
+    return new.replace("\r\n", "\n").replace("\n", "\r\n")

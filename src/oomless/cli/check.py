@@ -77,9 +77,25 @@ def write_outputs(result, args: argparse.Namespace) -> list[str]:
         for path, text in result.new_texts.items():
             original = Path(path).read_bytes()
             write_atomic(f"{path}.orig", original)
-            write_atomic(path, text)
+            write_in_place(path, text, original)
             done.append(f"applied the fix to {path} (the original is {path}.orig)")
     return done
+
+
+def write_in_place(path, text: str, original: bytes) -> None:
+    """The edited text over the file a user named: through a symlink to its target (the
+    link stays), with the original's byte-order mark and permission bits (a launch
+    script stays executable)."""
+    import os
+    import stat
+
+    from ..fileio import write_atomic
+
+    target = os.path.realpath(path)
+    mode = stat.S_IMODE(os.stat(target).st_mode)
+    bom = "\ufeff" if original.startswith(b"\xef\xbb\xbf") else ""
+    write_atomic(target, bom + text)
+    os.chmod(target, mode)
 
 
 def run(args: argparse.Namespace) -> int:
