@@ -9,12 +9,21 @@ loop live in their own sections. Every key is documented in docs/config.md.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
 from .knobs import ATTENTIONS, METHODS, OPTIMIZERS
+from .limits import CAPS, cap_message
 
 # The accepted values of the knobs with a registry come from knobs.py (one row each).
 Method = Literal[tuple(METHODS)]  # type: ignore[valid-type]
@@ -38,9 +47,20 @@ Stack = Literal["hf-trainer", "trl", "llamafactory", "axolotl", "swift", "unslot
 class _Section(BaseModel):
     # NaN and infinity are refused in every float field (a NaN passes gt=0 checks)
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    _key_prefix: ClassVar[str] = ""  # where the section sits in RunConfig ("hardware.")
+
+    @field_validator("*")
+    @classmethod
+    def _capped(cls, value: Any, info: ValidationInfo) -> Any:
+        """Numbers above their cap in limits.CAPS (the CLI's flags read the same table)."""
+        key = cls._key_prefix + str(info.field_name)
+        if key in CAPS and isinstance(value, int | float) and value > CAPS[key].high:
+            raise ValueError(cap_message(key, value))
+        return value
 
 
 class LoraConfig(_Section):
+    _key_prefix: ClassVar[str] = "lora."
     r: int = Field(16, ge=1, description="LoRA rank")
     alpha: float = Field(32, description="LoRA alpha (scaling = alpha / r)")
     dropout: float = Field(0.0, ge=0, lt=1, description="PEFT and LLaMA-Factory default 0")
@@ -94,6 +114,7 @@ class StackOptions(_Section):
 
 
 class HardwareConfig(_Section):
+    _key_prefix: ClassVar[str] = "hardware."
     gpu: str | None = Field(None, description="GPU name from `oomless gpus`")
     gpus_per_node: int = Field(1, ge=1)
     nodes: int = Field(1, ge=1)
@@ -101,6 +122,7 @@ class HardwareConfig(_Section):
 
 
 class EvalConfig(_Section):
+    _key_prefix: ClassVar[str] = "eval."
     batch_size: int | None = Field(None, ge=1, description="default: micro_batch_size")
     max_new_tokens: int = Field(0, ge=0, description="generation length when predicting")
     predict_with_generate: bool = False
@@ -109,6 +131,8 @@ class EvalConfig(_Section):
 
 class VisionConfig(_Section):
     """Vision-language models: what of the vision side is trained, and the images."""
+
+    _key_prefix: ClassVar[str] = "vision."
 
     freeze_tower: bool = Field(True, description="vision tower frozen (LLaMA-Factory "
                                "freeze_vision_tower, GLM-4 freezeV, LLaVA's default)")
@@ -132,6 +156,8 @@ class RlhfConfig(_Section):
     """Training stages other than pt/sft: the reference, reward and value models, PPO's
     generation (docs/config.md, "rlhf"). Keys follow TRL's and LLaMA-Factory's meaning."""
 
+    _key_prefix: ClassVar[str] = "rlhf."
+
     reference: Reference = Field(
         "auto", description="dpo/kto/ppo reference: auto (LoRA: the policy with its adapters "
         "switched off; full: a separate frozen copy), adapter-off, separate, precomputed "
@@ -154,6 +180,7 @@ class RlhfConfig(_Section):
 
 
 class DataConfig(_Section):
+    _key_prefix: ClassVar[str] = "data."
     train_file: str | None = None
     eval_file: str | None = None
     format: Literal["auto", "alpaca", "sharegpt", "messages"] = "auto"
@@ -236,6 +263,10 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
+        for key, value in (("world_size", self.world_size),
+                           ("effective_batch", self.effective_batch)):
+            if value > CAPS[key].high:
+                raise ValueError(f"{key.replace('_', ' ')} {cap_message(key, value)}")
         if self.offload != "none" and self.zero == 0:
             raise ValueError(
                 f"offload '{self.offload}' needs DeepSpeed ZeRO (zero: 1-3); "

@@ -180,8 +180,8 @@ def estimate_options(ws: Workspace, request: dict[str, Any]) -> argparse.Namespa
     opts = {flag: None for flag in views.ESTIMATE_FLAGS}
     for flag, kind in views.ESTIMATE_FLAGS.items():
         value = request.get(flag)
-        if value in (None, ""):
-            continue
+        if value in (None, "") or flag == "quant" and request.get("method") != "qlora":
+            continue  # the page shows the quantization only for QLoRA (estimate.js)
         if kind in (int, float):
             opts[flag] = _number(request, flag, kind)
         else:
