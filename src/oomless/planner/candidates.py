@@ -26,7 +26,7 @@ from itertools import product
 from typing import TYPE_CHECKING
 
 from ..config import RunConfig
-from ..knobs import OPTIMIZERS
+from ..knobs import OPTIMIZERS, offloaded_optimizer
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 
@@ -267,7 +267,15 @@ def families(req: PlanRequest, spec: ModelSpec) -> Iterator[Family]:
             for precision in _precisions(req, method, zero):
                 rest = product(_optimizers(req, method), _lengths(req, spec), _packings(req),
                                _ckpts(req), _attns(req, spec, precision), _eval_batches(req))
+                seen: set[tuple] = set()
                 for opt, (length, len_to), packing, ckpt, attn, eb in rest:
+                    if offload != "none" and not OPTIMIZERS[opt].zero_offload:
+                        if not req.free("optimizer"):
+                            continue  # DeepSpeed would step CPU-Adam (knobs.OptimizerKind)
+                        opt = offloaded_optimizer(opt).name
+                    if (opt, length, packing, ckpt, attn, eb) in seen:
+                        continue
+                    seen.add((opt, length, packing, ckpt, attn, eb))
                     cfg = base.model_copy(update=dict(
                         method=method, quantization=quant, lora=lora, zero=zero,
                         offload=offload, precision=precision, optimizer=opt, seq_len=length,
