@@ -6,7 +6,7 @@ keeps the configurations that fit, ranks them and, for every family group
 much it misses. The result is a frozen, JSON-serialisable PlanResult.
 
 Ranking (``objective``):
-- ``speed``: fewest trade-offs first (see search.py), then highest predicted
+- ``speed``: fewest trade-offs first (oomless.planner.candidates), then highest predicted
   tokens/s (within 0.5%: a tie); ties keep the search's preference order
   (no ZeRO before ZeRO, no checkpointing before checkpointing, flash first).
 - ``memory``: fewest trade-offs, then lowest device peak, then tokens/s.
