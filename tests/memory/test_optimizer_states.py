@@ -73,33 +73,37 @@ def test_the_rule_is_stated_and_changes_narrow_adapters():
     assert any("min_8bit_size" in a for a in st.assumptions)
 
 
-def test_paged_states_of_small_tensors_stay_on_the_device(monkeypatch):
+@pytest.mark.parametrize("name", ["paged-adamw", "paged-adamw-8bit"])
+def test_paged_states_of_small_tensors_stay_on_the_device(monkeypatch, name):
     import bitsandbytes.functional as F
-    from bitsandbytes.optim import PagedAdamW
+    import torch
 
-    paged_elements: list[int] = []
+    from oomless.knobs import OPTIMIZERS, load_class
+
+    paged_bytes: list[int] = []
 
     def record(*shape, dtype=None, device=None):  # CUDA unified memory: not on a CPU
-        import torch
-
-        paged_elements.append(int(torch.Size(shape).numel()))
-        return torch.zeros(shape, dtype=dtype)
-
-    import torch
+        paged_bytes.append(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size())
+        return torch.empty(shape, dtype=dtype, device="meta")
 
     monkeypatch.setattr(F, "get_paged", record)
     monkeypatch.setattr(F, "fill", lambda *args: None)
     # on the CPU bitsandbytes never pages; meta tensors take the GPU path of the rule
     params = [torch.nn.Parameter(torch.empty(p.shape, device="meta"))
               for p in _trainable("full", 16)]
-    opt = PagedAdamW(params)
-    device_elements = 0
-    for p in params:
-        before = len(paged_elements)
-        opt.get_state_buffer(p)
-        device_elements += p.numel() if len(paged_elements) == before else 0
+    opt = load_class(OPTIMIZERS[name].torch_class)(params)
+    device_bytes = 0
+    for i, p in enumerate(params):
+        before = len(paged_bytes)
+        opt.init_state(opt.param_groups[0], p, 0, i)
+        paged_here = set(range(before, len(paged_bytes)))
+        assert len(paged_here) in (0, 2)  # both states paged, or neither
+        device_bytes += sum(v.numel() * v.element_size() for k, v in opt.state[p].items()
+                            if torch.is_tensor(v) and not k.startswith("qmap"))
+        if paged_here:  # the paged states are in opt.state too: not device bytes
+            device_bytes -= sum(paged_bytes[j] for j in paged_here)
     spec = spec_from_hf_config(TINY_LLAMA, "tiny-llama")
-    cfg = RunConfig(model="tiny-llama", method="full", optimizer="paged-adamw")
+    cfg = RunConfig(model="tiny-llama", method="full", optimizer=name)
     st = model_states(spec, cfg, dtypes_for(cfg))
-    assert st.gpu["optimizer"] == 2 * 4 * device_elements  # m and v, fp32
-    assert st.paged_bytes == 2 * 4 * sum(paged_elements)
+    assert st.paged_bytes == sum(paged_bytes) > 0
+    assert st.gpu["optimizer"] == device_bytes

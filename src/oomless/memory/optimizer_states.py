@@ -93,9 +93,10 @@ def optimizer_state_bytes(kind: OptimizerKind, tensors: dict[int, int],
     """States of ``kind`` over the trainable tensors (elements → count)."""
     device = paged = 0.0
     for size, n in tensors.items():
+        absmax = 0.0  # fp32 per block of an 8-bit state: torch.zeros on the device, never paged
         if kind.eight_bit and size >= C.ADAM8BIT_MIN_SIZE:
-            blocks = math.ceil(size / C.ADAM8BIT_BLOCK)
-            per = kind.full_states * (size + 4 * blocks)  # uint8 state + fp32 absmax
+            per = kind.full_states * size  # uint8 states
+            absmax = kind.full_states * 4 * math.ceil(size / C.ADAM8BIT_BLOCK)
         elif kind.eight_bit or kind.paged:
             per = kind.full_states * 4 * size  # bitsandbytes' 32-bit states are fp32
         else:
@@ -104,4 +105,5 @@ def optimizer_state_bytes(kind: OptimizerKind, tensors: dict[int, int],
             paged += per * n
         else:
             device += per * n
+        device += absmax * n
     return OptimizerBytes(device, paged)
