@@ -91,3 +91,12 @@ def test_a_big_file_without_aliases_is_refused_for_its_size_not_for_aliases(tmp_
     err = capsys.readouterr().err
     assert f"holds more than {MAX_YAML_NODES:,} values" in err
     assert "anchors and aliases" not in err
+
+
+def test_a_duplicate_key_in_a_json_config_is_refused_with_both_lines(tmp_path, capsys):
+    path = tmp_path / "training_args.json"
+    path.write_text('{\n  "per_device_train_batch_size": 4,\n  "gradient_accumulation_steps": 2,'
+                    '\n  "per_device_train_batch_size": 8\n}\n')
+    assert main(["check", str(path), "--gpu", "rtx-4090", "--model", "qwen2.5-0.5b"]) == 2
+    err = capsys.readouterr().err
+    assert 'line 4: key "per_device_train_batch_size" appears twice (first on line 2)' in err

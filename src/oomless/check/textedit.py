@@ -158,6 +158,10 @@ class JsonSpans:
             i = self._ws(after)
             if self.text[i] != ":":
                 raise ConfigError(f"expected ':' after key \"{key}\"")
+            if path + (key,) in self.values:  # json.loads would keep the last one silently
+                first = self.text.count("\n", 0, self.values[path + (key,)][0]) + 1
+                raise ConfigError(f"line {self.text.count(chr(10), 0, i) + 1}: key \"{key}\" "
+                                  f"appears twice (first on line {first}); remove one of them")
             i = self._ws(self._value(self._ws(i + 1), path + (key,)))
             info["last_end"] = self.values[path + (key,)][1]
             if self.text[i] == ",":
