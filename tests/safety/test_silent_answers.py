@@ -61,3 +61,16 @@ def test_a_duplicate_yaml_key_is_refused(tmp_path, capsys):
     path.write_text(f"model: {TEXT_MODEL}\nseq_len: 512\nseq_len: 4096\n")
     assert main(["estimate", str(path), "--gpu", "4090"]) == 2
     assert "key 'seq_len' appears twice (first on line 2)" in capsys.readouterr().err
+
+
+def test_an_empty_gpu_from_the_library_path_is_refused_too():
+    """The web page builds the options without argparse: an empty GPU is not "no GPU"."""
+    import argparse
+
+    from oomless.cli._options import _FLAG_KEYS, run_config_from_args
+    from oomless.errors import OomlessError
+
+    args = argparse.Namespace(model=TEXT_MODEL, lora_targets=None, quant=None, gpu="",
+                              **{f: None for f in _FLAG_KEYS})
+    with pytest.raises(OomlessError, match="empty GPU name"):
+        run_config_from_args(args)

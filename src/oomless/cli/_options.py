@@ -214,7 +214,7 @@ def run_config_from_args(args: argparse.Namespace):
                 f"--gpu {args.gpu} and --gpu-memory-gb {args.gpu_memory_gb:g} both name the GPU; give "
                 f"one: --gpu-memory-gb {args.gpu_memory_gb:g}, or --gpu {args.gpu_memory_gb:g}gbx2 for two")
         gpu_arg = f"{args.gpu_memory_gb:g}gb"
-    if gpu_arg:
+    if gpu_arg is not None:  # an empty text is refused by parse_gpu_arg, not skipped
         cluster = parse_gpu_arg(gpu_arg)
         set_dotted(data, "hardware.gpu", cluster.gpu.name)
         set_dotted(data, "hardware.gpus_per_node", cluster.gpus_per_node)
