@@ -79,6 +79,8 @@ class QuantConfig(_Section):
     """``method: qlora``: how the base is quantized when it loads (LLaMA-Factory's
     quantization_method / quantization_bit)."""
 
+    _key_prefix: ClassVar[str] = "quantization."
+
     method: Literal["bnb", "hqq", "eetq"] = Field(
         "bnb", description="bitsandbytes (4/8-bit), HQQ (1-6, 8-bit) or EETQ (8-bit)")
     bits: Literal[1, 2, 3, 4, 5, 6, 8] = 4
@@ -100,6 +102,8 @@ class QuantConfig(_Section):
 
 class StackOptions(_Section):
     """Switches of the training stack that change memory (docs/stacks.md)."""
+
+    _key_prefix: ClassVar[str] = "stack_options."
 
     transformers_version: str | None = Field(
         None, description="transformers release the run uses (selects the loss path); "
@@ -201,6 +205,8 @@ class DataConfig(_Section):
 class InjectOOM(_Section):
     """Fault injection (tests, demos): raise torch.OutOfMemoryError on purpose."""
 
+    _key_prefix: ClassVar[str] = "training.inject_oom."
+
     step: int = Field(..., ge=1, description="optimizer step (1-based) or evaluation round")
     rank: int | None = Field(0, ge=0, description="process rank; null: every rank")
     times: int = Field(1, ge=1, description="how many attempts of that step fail")
@@ -215,6 +221,7 @@ class InjectOOM(_Section):
 
 
 class TrainingConfig(_Section):
+    _key_prefix: ClassVar[str] = "training."
     output_dir: str = "runs/oomless"
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1)
