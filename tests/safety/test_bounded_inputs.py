@@ -49,7 +49,7 @@ def test_every_capped_flag_refuses_what_runconfig_refuses(capsys, flag, key):
     argv = ["estimate", "qwen2.5-0.5b", "--" + flag.replace("_", "-"), str(high + 1)]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert f"{high:,}" in err and CAPS[key].why in err
+    assert (f"{high:,}" in err or f"{high}" in err) and CAPS[key].why in err
 
 
 def test_the_web_pages_path_refuses_batch_10_to_the_35():

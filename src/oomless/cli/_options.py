@@ -45,7 +45,7 @@ def number(low: float = 0.0, high: float = MAX_NUMBER, low_open: bool = False,
         too_high = value >= high if high_open else value > high
         if value != value or too_low or too_high:  # NaN fails every comparison
             lo, hi = "(" if low_open else "[", ")" if high_open else "]"
-            top = f"{high:,.15g}" if high < MAX_NUMBER else "2^40"
+            top = f"{high:.15g}" if high < MAX_NUMBER else "2^40"
             reason = f" ({why})" if why and too_high else ""
             raise argparse.ArgumentTypeError(f"expected a finite number in {lo}{low:g}, {top}{hi},"
                                              f" got {text}{reason}")
