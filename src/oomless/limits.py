@@ -55,6 +55,12 @@ CAPS: dict[str, Cap] = {
 }
 
 
+# plan's search stops after this long and says so (PlanResult.complete, its notes): a
+# usual plan takes under a second; an open search over many GPUs, lengths and methods
+# a few seconds.
+PLAN_TIME_BUDGET_S = 30.0
+
+
 def cap_of(key: str) -> int:
     return CAPS[key].high
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..planner.request import PLAN_TIME_BUDGET_S
+from ..limits import PLAN_TIME_BUDGET_S
 from ._options import FOLDER, FRACTION, GPU_TEXT, capped, capped_gib, number
 
 ORDER = 30

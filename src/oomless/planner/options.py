@@ -7,13 +7,13 @@ from pathlib import Path
 
 from ..config import RunConfig, build_run_config, load_run_config, set_dotted
 from ..errors import ConfigError
-from ..limits import check_cap
+from ..limits import PLAN_TIME_BUDGET_S, check_cap
 from ..models.catalog import resolve_model
 from ..models.hardware import Cluster, parse_gpu_arg
 from ..models.spec import ModelSpec
 from .candidates import PlanRequest
 from .plan import PlanResult, search
-from .request import PLAN_TIME_BUDGET_S, build_request, default_effective_batch
+from .request import build_request, default_effective_batch
 from .suggest import plan
 
 DEFAULT_SEQ_LEN = 2048  # RunConfig's default; stated in the plan when used

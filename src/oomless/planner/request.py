@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..limits import check_cap
+from ..limits import PLAN_TIME_BUDGET_S, check_cap
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 from .candidates import KNOBS, PlanRequest
@@ -17,10 +17,6 @@ DEFAULT_EFFECTIVE_BATCH = 16
 # 64 GB (DGX A100: 1 TB for 8 × 80 GB; workstations: 64–128 GB).
 HOST_RAM_PER_GPU_MEMORY = 1.5
 HOST_RAM_MIN_BYTES = 64 * 10**9
-# The search stops after this long and says so (PlanResult.complete, its notes): a
-# usual plan takes under a second; an open search over many GPUs, lengths and
-# methods a few seconds.
-PLAN_TIME_BUDGET_S = 30.0
 
 
 def default_effective_batch(world_size: int) -> int:
