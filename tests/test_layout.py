@@ -21,7 +21,7 @@ PACKAGE = SRC / "oomless"
 # A new top-level module or package must be placed here on purpose.
 RANKS = {
     "oomless": 0, "oomless.errors": 0, "oomless.units": 0, "oomless.fileio": 0,
-    "oomless.knobs": 0, "oomless.data": 0,
+    "oomless.knobs": 0, "oomless.data": 0, "oomless.limits": 0, "oomless.yamlfile": 0,
     "oomless.config": 1, "oomless.result": 1,
     "oomless.models": 2,
     "oomless.dataset": 3,

@@ -52,8 +52,10 @@ def estimate(cfg: RunConfig, expandable_segments: bool = False, *, model: str | 
     trainer passes the CUDA device it runs on; None: no fit verdict).
     """
     from .memory import estimate_training
+    from .memory.vision import check_images_fit_model
 
     spec = resolve_model(model or cfg.model).spec
+    check_images_fit_model(spec, cfg)
     if cluster is _FROM_CONFIG:
         cluster = cluster_for(cfg)
     est = estimate_training(spec, cfg, cluster, expandable_segments=expandable_segments)

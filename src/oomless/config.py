@@ -9,12 +9,27 @@ loop live in their own sections. Every key is documented in docs/config.md.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
 from .knobs import ATTENTIONS, METHODS, OPTIMIZERS
+from .limits import CAPS, cap_message
+from .yamlfile import (  # noqa: F401 (the YAML reader, imported from here by callers)
+    MAX_YAML_DEPTH,
+    MAX_YAML_NODES,
+    load_yaml_with_lines,
+    parse_yaml_with_lines,
+)
 
 # The accepted values of the knobs with a registry come from knobs.py (one row each).
 Method = Literal[tuple(METHODS)]  # type: ignore[valid-type]
@@ -38,9 +53,20 @@ Stack = Literal["hf-trainer", "trl", "llamafactory", "axolotl", "swift", "unslot
 class _Section(BaseModel):
     # NaN and infinity are refused in every float field (a NaN passes gt=0 checks)
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    _key_prefix: ClassVar[str] = ""  # where the section sits in RunConfig ("hardware.")
+
+    @field_validator("*")
+    @classmethod
+    def _capped(cls, value: Any, info: ValidationInfo) -> Any:
+        """Numbers above their cap in limits.CAPS (the CLI's flags read the same table)."""
+        key = cls._key_prefix + str(info.field_name)
+        if key in CAPS and isinstance(value, int | float) and value > CAPS[key].high:
+            raise ValueError(cap_message(key, value))
+        return value
 
 
 class LoraConfig(_Section):
+    _key_prefix: ClassVar[str] = "lora."
     r: int = Field(16, ge=1, description="LoRA rank")
     alpha: float = Field(32, description="LoRA alpha (scaling = alpha / r)")
     dropout: float = Field(0.0, ge=0, lt=1, description="PEFT and LLaMA-Factory default 0")
@@ -52,6 +78,8 @@ class LoraConfig(_Section):
 class QuantConfig(_Section):
     """``method: qlora``: how the base is quantized when it loads (LLaMA-Factory's
     quantization_method / quantization_bit)."""
+
+    _key_prefix: ClassVar[str] = "quantization."
 
     method: Literal["bnb", "hqq", "eetq"] = Field(
         "bnb", description="bitsandbytes (4/8-bit), HQQ (1-6, 8-bit) or EETQ (8-bit)")
@@ -74,6 +102,8 @@ class QuantConfig(_Section):
 
 class StackOptions(_Section):
     """Switches of the training stack that change memory (docs/stacks.md)."""
+
+    _key_prefix: ClassVar[str] = "stack_options."
 
     transformers_version: str | None = Field(
         None, description="transformers release the run uses (selects the loss path); "
@@ -119,6 +149,7 @@ class DeepSpeedConfig(_Section):
 
 
 class HardwareConfig(_Section):
+    _key_prefix: ClassVar[str] = "hardware."
     gpu: str | None = Field(None, description="GPU name from `oomless gpus`")
     gpus_per_node: int = Field(1, ge=1)
     nodes: int = Field(1, ge=1)
@@ -126,6 +157,7 @@ class HardwareConfig(_Section):
 
 
 class EvalConfig(_Section):
+    _key_prefix: ClassVar[str] = "eval."
     batch_size: int | None = Field(None, ge=1, description="default: micro_batch_size")
     max_new_tokens: int = Field(0, ge=0, description="generation length when predicting")
     predict_with_generate: bool = False
@@ -134,6 +166,8 @@ class EvalConfig(_Section):
 
 class VisionConfig(_Section):
     """Vision-language models: what of the vision side is trained, and the images."""
+
+    _key_prefix: ClassVar[str] = "vision."
 
     freeze_tower: bool = Field(True, description="vision tower frozen (LLaMA-Factory "
                                "freeze_vision_tower, GLM-4 freezeV, LLaVA's default)")
@@ -157,6 +191,8 @@ class RlhfConfig(_Section):
     """Training stages other than pt/sft: the reference, reward and value models, PPO's
     generation (docs/config.md, "rlhf"). Keys follow TRL's and LLaMA-Factory's meaning."""
 
+    _key_prefix: ClassVar[str] = "rlhf."
+
     reference: Reference = Field(
         "auto", description="dpo/kto/ppo reference: auto (LoRA: the policy with its adapters "
         "switched off; full: a separate frozen copy), adapter-off, separate, precomputed "
@@ -179,6 +215,7 @@ class RlhfConfig(_Section):
 
 
 class DataConfig(_Section):
+    _key_prefix: ClassVar[str] = "data."
     train_file: str | None = None
     eval_file: str | None = None
     format: Literal["auto", "alpaca", "sharegpt", "messages"] = "auto"
@@ -192,6 +229,8 @@ class DataConfig(_Section):
 
 class InjectOOM(_Section):
     """Fault injection (tests, demos): raise torch.OutOfMemoryError on purpose."""
+
+    _key_prefix: ClassVar[str] = "training.inject_oom."
 
     step: int = Field(..., ge=1, description="optimizer step (1-based) or evaluation round")
     rank: int | None = Field(0, ge=0, description="process rank; null: every rank")
@@ -207,6 +246,7 @@ class InjectOOM(_Section):
 
 
 class TrainingConfig(_Section):
+    _key_prefix: ClassVar[str] = "training."
     output_dir: str = "runs/oomless"
     epochs: float = Field(1.0, gt=0)
     max_steps: int | None = Field(None, ge=1)
@@ -262,6 +302,10 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
+        for key, value in (("world_size", self.world_size),
+                           ("effective_batch", self.effective_batch)):
+            if value > CAPS[key].high:
+                raise ValueError(f"{key.replace('_', ' ')} {cap_message(key, value)}")
         if self.offload != "none" and self.zero == 0:
             raise ValueError(
                 f"offload '{self.offload}' needs DeepSpeed ZeRO (zero: 1-3); "
@@ -349,163 +393,6 @@ def build_run_config(data: dict[str, Any], source: str = "<options>",
         return RunConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err, source, lines or {})) from None
-
-
-def _key_lines(node: Any, prefix: str = "") -> dict[str, int]:
-    """Map dotted keys of a composed YAML mapping to 1-based line numbers."""
-    import yaml
-
-    out: dict[str, int] = {}
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            key = f"{prefix}{key_node.value}"
-            out[key] = key_node.start_mark.line + 1
-            out.update(_key_lines(value_node, key + "."))
-    return out
-
-
-# A YAML file is a tree of nodes; anchors and aliases let a short file name the
-# same subtree many times. Configuration files hold hundreds of nodes: above
-# these bounds, the file is refused before anything builds or walks the
-# expanded tree (a 352-byte "billion laughs" expands to 10^9 nodes).
-MAX_YAML_NODES = 100_000
-MAX_YAML_DEPTH = 64
-_STR_TAG = "tag:yaml.org,2002:str"
-_MERGE_TAG = "tag:yaml.org,2002:merge"
-
-
-def _check_yaml_tree(root: Any, path: str | Path) -> None:
-    """Refuse alias cycles, expansion beyond MAX_YAML_NODES, deep nesting and keys that
-    are not names — on the node graph, where every alias is one shared node."""
-    import yaml
-
-    expanded: dict[int, int] = {}  # node id -> nodes it stands for, aliases expanded
-    depth_of: dict[int, int] = {}
-    stack: list[tuple[Any, bool]] = [(root, False)]
-    active: set[int] = set()
-    while stack:
-        node, children_done = stack.pop()
-        key = id(node)
-        if children_done:
-            active.discard(key)
-            kids = _yaml_children(node)
-            expanded[key] = 1 + sum(expanded[id(k)] for k in kids)
-            depth_of[key] = 1 + max((depth_of[id(k)] for k in kids), default=0)
-            if expanded[key] > MAX_YAML_NODES:
-                raise ConfigError(
-                    f"'{path}': its anchors and aliases expand to more than "
-                    f"{MAX_YAML_NODES:,} values (line {node.start_mark.line + 1}); a "
-                    "configuration file is far smaller: remove the repeated aliases")
-            if depth_of[key] > MAX_YAML_DEPTH:
-                raise ConfigError(f"'{path}': nested more than {MAX_YAML_DEPTH} levels deep "
-                                  f"(line {node.start_mark.line + 1})")
-            continue
-        if key in expanded:
-            continue
-        if key in active:
-            raise ConfigError(f"'{path}': an alias refers to itself (line "
-                              f"{node.start_mark.line + 1}); recursive YAML is not a configuration")
-        active.add(key)
-        stack.append((node, True))
-        if isinstance(node, yaml.MappingNode):
-            for key_node, _ in node.value:
-                if not (isinstance(key_node, yaml.ScalarNode)
-                        and key_node.tag in (_STR_TAG, _MERGE_TAG)):
-                    raise ConfigError(
-                        f"{path}:{key_node.start_mark.line + 1}: a key must be a name; "
-                        f"got {key_node.tag.rsplit(':', 1)[-1]} {_short(key_node)} (quote it)")
-        stack.extend((k, False) for k in _yaml_children(node) if id(k) not in expanded)
-
-
-def _yaml_children(node: Any) -> list[Any]:
-    import yaml
-
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    return []
-
-
-def _short(node: Any) -> str:
-    value = node.value if isinstance(node.value, str) else "[...]"
-    return repr(value if len(value) <= 40 else value[:37] + "...")
-
-
-def load_yaml_with_lines(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """Read a YAML configuration file: UTF-8, size-bounded, then as parse_yaml_with_lines."""
-    from .fileio import MAX_CONFIG_BYTES, read_text
-
-    text = read_text(path, "configuration", ConfigError, MAX_CONFIG_BYTES)
-    return parse_yaml_with_lines(text, path)
-
-
-def _yaml_loader() -> Any:
-    """libyaml's safe loader when PyYAML was built with it (fast), else the Python one."""
-    import yaml
-
-    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-def _check_yaml_nesting(text: str, path: str | Path) -> None:
-    """Refuse nesting deeper than MAX_YAML_DEPTH from the event stream (iterative), before
-    any recursive composer runs: deep nesting overflows PyYAML's (and libyaml's) stack."""
-    import yaml
-
-    loader = _yaml_loader()(text)
-    depth = 0
-    try:
-        while not loader.check_event(yaml.StreamEndEvent):
-            event = loader.get_event()
-            if isinstance(event, yaml.SequenceStartEvent | yaml.MappingStartEvent):
-                depth += 1
-                if depth > MAX_YAML_DEPTH:
-                    raise ConfigError(f"{path}:{event.start_mark.line + 1}: nested more than "
-                                      f"{MAX_YAML_DEPTH} levels deep; not a configuration")
-            elif isinstance(event, yaml.SequenceEndEvent | yaml.MappingEndEvent):
-                depth -= 1
-    finally:
-        loader.dispose()
-
-
-def parse_yaml_with_lines(text: str, path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """A YAML mapping and the line of every dotted key; errors name the file.
-
-    The one YAML entry point of oomless: safe types only (``SafeLoader``), the text
-    size-bounded, nesting checked on the event stream, and the node graph checked
-    (:func:`_check_yaml_tree`) before the document is built or its keys are walked.
-    """
-    import yaml
-
-    from .fileio import MAX_CONFIG_BYTES
-
-    if len(text) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"'{path}' is {len(text):,} characters; a configuration file is "
-                          f"at most {MAX_CONFIG_BYTES:,}")
-    loader = None
-    try:
-        _check_yaml_nesting(text, path)
-        loader = _yaml_loader()(text)
-        root = loader.get_single_node()
-        if root is None:
-            return {}, {}
-        if not isinstance(root, yaml.MappingNode):
-            kind = "a list" if isinstance(root, yaml.SequenceNode) else "a single value"
-            raise ConfigError(f"'{path}': expected a mapping of keys at the top level, "
-                              f"got {kind}")
-        _check_yaml_tree(root, path)
-        data = loader.construct_document(root)
-        lines = _key_lines(root)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"'{path}' is not valid YAML: {err}") from None
-    except RecursionError:
-        raise ConfigError(f"'{path}': nested too deeply to be a configuration") from None
-    except (ValueError, TypeError, OverflowError) as err:  # int/timestamp constructors
-        raise ConfigError(f"'{path}': a value cannot be read ({err})") from None
-    finally:
-        if loader is not None:
-            loader.dispose()
-    return data, lines
 
 
 def load_run_config(path: str | Path) -> RunConfig:

@@ -31,12 +31,18 @@ class OptimizerKind:
     class_kwargs: dict[str, Any] = field(default_factory=dict)
     needs_cuda: bool = False  # bitsandbytes kernels
     saves_memory_over_adamw: bool = False  # diagnose/check may propose it as a memory fix
+    # DeepSpeed's ZeRO-Offload steps this optimizer on the CPU (CPU-Adam, built from the
+    # AdamW block plan --out writes). Other rows cannot be offloaded: DeepSpeed refuses a
+    # client optimizer with ZeRO-Offload (runtime/engine.py, zero_force_ds_cpu_optimizer),
+    # so with offload the run steps CPU-Adam instead (memory/states.py counts its states,
+    # the planner does not offer the pair).
+    zero_offload: bool = False
 
 
 OPTIMIZERS: dict[str, OptimizerKind] = {o.name: o for o in (
     OptimizerKind("adamw", 2, hf_optim="adamw_torch_fused",
                   hf_aliases=("adamw_torch", "adamw_hf", "adamw_torch_fused", "adamw_apex_fused"),
-                  torch_class="torch.optim:AdamW"),
+                  torch_class="torch.optim:AdamW", zero_offload=True),
     OptimizerKind("adamw-8bit", 2, eight_bit=True, hf_optim="adamw_bnb_8bit",
                   hf_aliases=("adamw_8bit", "adamw_bnb_8bit"),
                   torch_class="bitsandbytes.optim:AdamW8bit", needs_cuda=True,
@@ -90,6 +96,13 @@ METHODS: dict[str, MethodKind] = {m.name: m for m in (
     MethodKind("lora", False, True, False, "lora"),
     MethodKind("qlora", False, True, True, "lora"),
 )}
+
+
+def offloaded_optimizer(name: str) -> OptimizerKind:
+    """The row whose states ZeRO-Offload keeps in host RAM for a run with ``name``: its
+    own if DeepSpeed can step it on the CPU, else the AdamW row (CPU-Adam)."""
+    kind = OPTIMIZERS[name]
+    return kind if kind.zero_offload else next(k for k in OPTIMIZERS.values() if k.zero_offload)
 
 
 def optimizer_from_hf(name: str) -> str | None:

@@ -113,3 +113,20 @@ def test_trl_generation_and_unsloth_switches():
     # DeepSpeed casts the whole module to 16-bit: no fp32 groups under ZeRO
     sharded = stack_effects(RunConfig(stack="custom-loop", zero=2, **qlora))
     assert not sharded.fp32_groups
+
+
+def test_swift_token_accuracy_runs_in_the_trace_and_stays_below_the_peak():
+    """ms-swift's _compute_acc takes logits.argmax (int64 per token) after the loss: the
+    trace runs it, and its peak is HF Trainer's, as the analytic model says (docs/stacks.md)."""
+    from oomless.runtime.trace.fake import trace_training
+    from oomless.runtime.trace.stacks import _swift_loss_and_accuracy, stack_loss
+
+    swift, hf = _cfg("swift", "lora", False, {}), _cfg("hf-trainer", "lora", False, {})
+    assert stack_loss(swift) is _swift_loss_and_accuracy
+    traced = {c.stack: trace_training(c, resolved=_resolved()).peak_allocated_bytes
+              for c in (swift, hf)}
+    assert traced["swift"] == traced["hf-trainer"]
+    spec = _resolved().spec
+    assert estimate_training(spec, swift).peak_allocated_bytes == \
+        estimate_training(spec, hf).peak_allocated_bytes
+    assert any("token accuracy" in a for a in estimate_training(spec, swift).assumptions)

@@ -70,7 +70,7 @@ def test_pruning_by_micro_batch_loses_no_fitting_configuration(model, gpu):
     spec = resolve_model(model).spec
     req = build_request(spec, RunConfig(model=model, seq_len=4096), parse_gpu_arg(gpu),
                         effective_batch=16, method_auto=True)
-    found, _misses, searched = _walk(spec, req, CandidateScorer(spec, req))
+    found, _misses, searched, _stopped = _walk(spec, req, CandidateScorer(spec, req))
     assert {(f.family_order, f.cfg.micro_batch_size) for f in found} == _brute_force(spec, req)
     assert searched == sum(1 for _ in families(req, spec)) * len(batch_splits(req.per_gpu_batch))
 
@@ -138,7 +138,7 @@ def test_nothing_fits_exits_1_with_nearest_miss_and_hardware_that_fits(capsys):
     (["plan", "glm-4-9b", "--gpu", "rtx-9999"], "unknown GPU 'rtx-9999'"),
     (["plan", "glm-4-9b"], "needs the GPUs"),
     (["plan", "glm-4-9b", "--gpu", "4090", "--effective-batch", "0"],
-     "--effective-batch: expected a whole number 1 or more, got 0"),
+     "--effective-batch: expected a whole number 1 to 1,048,576, got 0"),
     (["plan", "glm-4-9b", "--gpu", "4090", "--headroom", "1.5"],
      "--headroom: expected a finite number in [0, 1), got 1.5"),
     (["plan", "glm-4-9b", "--gpu", "4090", "--data", "/nonexistent.jsonl"], "no such file"),

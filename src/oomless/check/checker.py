@@ -158,6 +158,9 @@ def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: Mod
     _lora_targets(run, spec, reading)
     run["hardware"] = {**(run.get("hardware") or {}), "gpu": cluster.gpu.name,
                        "gpus_per_node": cluster.gpus_per_node, "nodes": cluster.nodes}
+    if opts.images and spec.vision is None:
+        raise ConfigError(f"--images {opts.images}: {spec.name} is a text model (no vision "
+                          "tower) and cannot take images; drop --images")
     if spec.vision is not None:
         data = dict(run.get("data") or {})
         if opts.images is not None or not data.get("images_per_sample"):

@@ -73,9 +73,11 @@ def _json_source(path: Path, role: str, text: str) -> Source:
     try:
         data = json.loads(plain)
         lines = _json_lines(plain)
-    except (ValueError, RecursionError, ConfigError) as err:  # ValueError: JSONDecodeError too
+    except (ValueError, RecursionError) as err:  # ValueError: JSONDecodeError too
         reason = "nested too deeply" if isinstance(err, RecursionError) else err
         raise ConfigError(f"'{path}' is not valid JSON: {reason}") from None
+    except ConfigError as err:  # valid JSON that oomless refuses (a key given twice)
+        raise ConfigError(f"'{path}', {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"'{path}': expected a JSON object at the top level")
     return Source(role, path, text, "json", data, lines)

@@ -94,7 +94,10 @@ def set_yaml(text: str, path: tuple[str, ...], value: Any) -> str:
     """The YAML text with the value at ``path`` set (replaced or inserted)."""
     import yaml
 
-    root = yaml.compose(text) if text.strip() else None
+    try:
+        root = yaml.compose(text) if text.strip() else None
+    except yaml.YAMLError as err:  # the reader (config.parse_yaml_with_lines) passed it
+        raise ConfigError(f"cannot edit this YAML: {err}") from None
     if root is None:
         return text + _nested_yaml(list(path), value, 0)
     node = root
@@ -162,6 +165,10 @@ class JsonSpans:
             i = self._ws(after)
             if self.text[i] != ":":
                 raise ConfigError(f"expected ':' after key \"{key}\"")
+            if path + (key,) in self.values:  # json.loads would keep the last one silently
+                first = self.text.count("\n", 0, self.values[path + (key,)][0]) + 1
+                raise ConfigError(f"line {self.text.count(chr(10), 0, i) + 1}: key \"{key}\" "
+                                  f"appears twice (first on line {first}); remove one of them")
             i = self._ws(self._value(self._ws(i + 1), path + (key,)))
             info["last_end"] = self.values[path + (key,)][1]
             if self.text[i] == ",":
@@ -201,11 +208,21 @@ def set_json(text: str, path: tuple[str, ...], value: Any) -> str:
 
 
 def set_value(src: Any, text: str, path: tuple[str, ...], value: Any) -> str:
-    """``text`` (the current text of ``src``'s file) with ``path`` set to ``value``."""
+    """``text`` (the current text of ``src``'s file) with ``path`` set to ``value``; the
+    lines added end as the file's lines do (:func:`keep_line_ends`)."""
     if src.fmt == "json":
-        return set_json(text, path, value)
+        return keep_line_ends(text, set_json(text, path, value))
     if src.fmt == "sh":
         from .shellargs import parse_launch, set_shell_arg
 
-        return set_shell_arg(text, parse_launch(text, str(src.path)), path[-1], value)
-    return set_yaml(text, path, value)
+        new = set_shell_arg(text, parse_launch(text, str(src.path)), path[-1], value)
+        return keep_line_ends(text, new)
+    return keep_line_ends(text, set_yaml(text, path, value))
+
+
+def keep_line_ends(old: str, new: str) -> str:
+    """``new`` with CRLF line ends where every line of ``old`` ends in CRLF (Windows
+    files); a file with LF or mixed ends is left as the edit made it."""
+    if "\r\n" not in old or old.count("\n") != old.count("\r\n"):
+        return new
+    return new.replace("\r\n", "\n").replace("\n", "\r\n")

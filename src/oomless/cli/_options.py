@@ -8,23 +8,25 @@ from typing import Any, get_args
 
 from ..config import Offload, Precision, QuantStorage, Reference, Stack, Stage
 from ..knobs import ATTENTIONS, METHODS, OPTIMIZERS
+from ..limits import CAPS
 
 # Counts and sizes above this are typing mistakes, not runs (2^40: a trillion).
 MAX_NUMBER = 2**40
 
 
-def count(low: int = 1, high: int = MAX_NUMBER):
-    """An argparse type: an integer in [low, high]; anything else is a usage error (exit 2)."""
+def count(low: int = 1, high: int = MAX_NUMBER, why: str = ""):
+    """An argparse type: an integer in [low, high]; anything else is a usage error (exit 2).
+    ``why``: the reason for ``high`` (limits.CAPS), said when a value exceeds it."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
         if not low <= value <= high:
-            upper = f"to {high}" if high < MAX_NUMBER else "or more"
-            raise argparse.ArgumentTypeError(f"expected a whole number {low} {upper}"
-                                             f"{' (at most 2^40)' if value > high else ''}, "
-                                             f"got {value}")
+            upper = f"to {high:,}" if high < MAX_NUMBER else "or more"
+            reason = (f" ({why})" if why else " (at most 2^40)") if value > high else ""
+            raise argparse.ArgumentTypeError(f"expected a whole number {low} {upper}, "
+                                             f"got {value:,}{reason}")
         return value
 
     parse.__name__ = "count"
@@ -32,7 +34,7 @@ def count(low: int = 1, high: int = MAX_NUMBER):
 
 
 def number(low: float = 0.0, high: float = MAX_NUMBER, low_open: bool = False,
-           high_open: bool = False):
+           high_open: bool = False, why: str = ""):
     """An argparse type: a finite number in the range (open ends excluded)."""
     def parse(text: str) -> float:
         try:
@@ -43,9 +45,10 @@ def number(low: float = 0.0, high: float = MAX_NUMBER, low_open: bool = False,
         too_high = value >= high if high_open else value > high
         if value != value or too_low or too_high:  # NaN fails every comparison
             lo, hi = "(" if low_open else "[", ")" if high_open else "]"
-            top = f"{high:g}" if high < MAX_NUMBER else "2^40"
+            top = f"{high:.15g}" if high < MAX_NUMBER else "2^40"
+            reason = f" ({why})" if why and too_high else ""
             raise argparse.ArgumentTypeError(f"expected a finite number in {lo}{low:g}, {top}{hi},"
-                                             f" got {text}")
+                                             f" got {text}{reason}")
         return value
 
     parse.__name__ = "number"
@@ -139,6 +142,33 @@ FRACTION = number(0.0, 1.0, high_open=True)  # [0, 1)
 UTILIZATION = number(0.0, 1.0, low_open=True)  # (0, 1]
 
 
+def capped(key: str, low: int = 1):
+    """count() up to the cap of ``key`` in limits.CAPS, the cap RunConfig validates."""
+    return count(low, CAPS[key].high, CAPS[key].why)
+
+
+def capped_gib(key: str):
+    """A size in GB, > 0, up to the cap of ``key`` in limits.CAPS."""
+    return number(0.0, CAPS[key].high, low_open=True, why=CAPS[key].why)
+
+
+def text_arg(what: str):
+    """An argparse type: text that is not empty or blank (``--out ''`` names no folder,
+    ``--gpu ''`` no GPU: refused rather than read as "not given")."""
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"empty; give {what}")
+        return text
+
+    parse.__name__ = "text"
+    return parse
+
+
+GPU_TEXT = text_arg("a GPU and count (--gpu 4090, --gpu 'a100-80gb x8', --gpu 24gb)")
+FOLDER = text_arg("a folder to write to")
+FILE = text_arg("a file to write to")
+
+
 def lora_targets(text: str) -> list[str] | str:
     """--lora-targets: comma-separated module names, or all-linear."""
     from ..errors import ConfigError
@@ -178,27 +208,32 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant", choices=["nf4", "fp4", "int8"], help="QLoRA quantization (nf4)")
     g.add_argument("--quant-storage", choices=list(get_args(QuantStorage)),
                    help="bnb_4bit_quant_storage (default bfloat16 under ZeRO-3, else uint8)")
-    g.add_argument("--batch-size", type=POSITIVE, help="micro batch per GPU")
-    g.add_argument("--grad-accum", type=POSITIVE)
-    g.add_argument("--seq-len", type=POSITIVE, help="tokens per sample")
+    g.add_argument("--batch-size", type=capped("micro_batch_size"), help="micro batch per GPU")
+    g.add_argument("--grad-accum", type=capped("grad_accum"))
+    g.add_argument("--seq-len", type=capped("seq_len"), help="tokens per sample")
     g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--attn", choices=list(ATTENTIONS))
-    g.add_argument("--lora-r", type=POSITIVE)
+    g.add_argument("--lora-r", type=capped("lora.r"))
     g.add_argument("--lora-dropout", type=FRACTION)
     g.add_argument("--lora-targets", help="comma-separated module names, or all-linear")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage")
     g.add_argument("--offload", choices=list(get_args(Offload)))
-    g.add_argument("--gpu", help="GPU and count: 4090x8, 'a100-40gb x8' (see `oomless gpus`), "
+    g.add_argument("--gpu", type=GPU_TEXT, help="GPU and count: 4090x8, 'a100-40gb x8' (see `oomless gpus`), "
                    "or a size: 12gb, 24GiB x2")
-    g.add_argument("--gpu-memory-gb", type=GIB, metavar="GB",
+    g.add_argument("--gpu-memory-gb", type=capped_gib("gpu_memory_gb"), metavar="GB",
                    help="a generic GPU with this much memory (GB = 10^9 bytes); same as --gpu 12gb")
-    g.add_argument("--nodes", type=POSITIVE)
-    g.add_argument("--host-ram-gb", type=GIB, help="host RAM per node (offload)")
-    g.add_argument("--eval-batch-size", type=POSITIVE)
-    g.add_argument("--max-new-tokens", type=NON_NEGATIVE, help="generation during evaluation")
-    g.add_argument("--images", type=NON_NEGATIVE, help="images per sample (vision-language models)")
-    g.add_argument("--image-size", type=POSITIVE, help="side of an input image in pixels")
-    g.add_argument("--max-pixels", type=POSITIVE, help="Qwen2-VL family: largest image area")
+    g.add_argument("--nodes", type=capped("hardware.nodes"))
+    g.add_argument("--host-ram-gb", type=capped_gib("hardware.host_ram_gb"),
+                   help="host RAM per node (offload)")
+    g.add_argument("--eval-batch-size", type=capped("eval.batch_size"))
+    g.add_argument("--max-new-tokens", type=capped("eval.max_new_tokens", 0),
+                   help="generation during evaluation")
+    g.add_argument("--images", type=capped("data.images_per_sample", 0),
+                   help="images per sample (vision-language models)")
+    g.add_argument("--image-size", type=capped("vision.image_size"),
+                   help="side of an input image in pixels")
+    g.add_argument("--max-pixels", type=capped("vision.max_pixels"),
+                   help="Qwen2-VL family: largest image area")
     g.add_argument("--freeze-tower", action=argparse.BooleanOptionalAction, default=None,
                    help="vision tower frozen (default) or trained")
     g.add_argument("--stage", choices=list(get_args(Stage)), help="training stage (sft)")
@@ -254,6 +289,11 @@ def run_config_from_args(args: argparse.Namespace):
     if args.lora_targets is not None:
         set_dotted(data, "lora.targets", lora_targets(args.lora_targets))
     if args.quant:
+        method = (data.get("method") or "lora") if isinstance(data, dict) else None
+        if method != "qlora":
+            raise ConfigError(
+                f"--quant {args.quant} quantizes the frozen base of a QLoRA run; the method is "
+                f"{method}, whose base is not quantized: add --method qlora, or drop --quant")
         set_dotted(data, "quantization.bits", 8 if args.quant == "int8" else 4)
         if args.quant != "int8":
             set_dotted(data, "quantization.type", args.quant)
@@ -264,7 +304,7 @@ def run_config_from_args(args: argparse.Namespace):
                 f"--gpu {args.gpu} and --gpu-memory-gb {args.gpu_memory_gb:g} both name the GPU; give "
                 f"one: --gpu-memory-gb {args.gpu_memory_gb:g}, or --gpu {args.gpu_memory_gb:g}gbx2 for two")
         gpu_arg = f"{args.gpu_memory_gb:g}gb"
-    if gpu_arg:
+    if gpu_arg is not None:  # an empty text is refused by parse_gpu_arg, not skipped
         cluster = parse_gpu_arg(gpu_arg)
         set_dotted(data, "hardware.gpu", cluster.gpu.name)
         set_dotted(data, "hardware.gpus_per_node", cluster.gpus_per_node)

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from ._options import FRACTION, GIB, NON_NEGATIVE, POSITIVE, add_run_sim_options
+from ._options import (
+    FILE,
+    FRACTION,
+    GPU_TEXT,
+    add_run_sim_options,
+    capped,
+    capped_gib,
+)
 
 ORDER = 31
 
@@ -30,27 +37,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("files", nargs="+", metavar="FILE",
                    help="the configuration (two files: TrainingArguments JSON and DeepSpeed "
                    "JSON, or a configuration and its accelerate config)")
-    p.add_argument("--gpu", help="GPU and count: 4090x8, 'a100-40gb x8' (see `oomless gpus`); "
+    p.add_argument("--gpu", type=GPU_TEXT, help="GPU and count: 4090x8, 'a100-40gb x8' (see `oomless gpus`); "
                    "a bare name takes the count from the file (accelerate, launcher)")
-    p.add_argument("--nodes", type=POSITIVE)
+    p.add_argument("--nodes", type=capped("hardware.nodes"))
     p.add_argument("--model", help="the model, where the file does not name it (GLM-4, "
                    "DeepSpeed/TrainingArguments) or to override it")
-    p.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (DeepSpeed/TrainingArguments, "
-                   "scripts and configs that do not state it)")
+    p.add_argument("--seq-len", type=capped("seq_len"), help="tokens per sample "
+                   "(DeepSpeed/TrainingArguments, scripts and configs that do not state it)")
     p.add_argument("--method", choices=["full", "lora", "qlora"],
                    help="DeepSpeed/TrainingArguments/accelerate (default full), or where check "
                    "cannot tell the method of a script")
-    p.add_argument("--images", type=NON_NEGATIVE, help="images per sample (vision-language)")
+    p.add_argument("--images", type=capped("data.images_per_sample", 0),
+                   help="images per sample (vision-language)")
     p.add_argument("--data", metavar="FILE", help="the training data (.json/.jsonl/.parquet): "
                    "estimate at its longest sample instead of the cutoff")
     p.add_argument("--headroom", type=FRACTION, default=0.10,
                    help="fraction of GPU memory the fix keeps free (default 0.10)")
-    p.add_argument("--host-ram-gb", type=GIB, help="host RAM per node (offload)")
+    p.add_argument("--host-ram-gb", type=capped_gib("hardware.host_ram_gb"), help="host RAM per node (offload)")
     p.add_argument("--strict", action="store_true",
                    help="refuse keys that no version of the file's tool knows (default: warn)")
     p.add_argument("--write", action="store_true",
                    help="apply the fix to the file(s), keeping the original as FILE.orig")
-    p.add_argument("--diff-out", metavar="PATH", help="also write the diff to PATH")
+    p.add_argument("--diff-out", type=FILE, metavar="PATH", help="also write the diff to PATH")
     p.add_argument("--force", action="store_true",
                    help="with --write / --diff-out: replace an existing FILE.orig / PATH")
     p.add_argument("--json", action="store_true", help="print the CheckResult as JSON")
@@ -74,7 +82,7 @@ def write_outputs(result, args: argparse.Namespace) -> list[str]:
     from ..fileio import write_atomic
 
     done: list[str] = []
-    if args.diff_out and result.diffs:
+    if args.diff_out is not None and result.diffs:
         _refuse_existing(args.diff_out, args.force, "--diff-out")
         write_atomic(args.diff_out, "".join(result.diffs.values()))
         done.append(f"wrote the diff to {args.diff_out}")
@@ -89,9 +97,25 @@ def write_outputs(result, args: argparse.Namespace) -> list[str]:
                 continue
             original = Path(path).read_bytes()
             write_atomic(f"{path}.orig", original)
-            write_atomic(path, text)
+            write_in_place(path, text, original)
             done.append(f"applied the fix to {path} (the original is {path}.orig)")
     return done
+
+
+def write_in_place(path, text: str, original: bytes) -> None:
+    """The edited text over the file a user named: through a symlink to its target (the
+    link stays), with the original's byte-order mark and permission bits (a launch
+    script stays executable)."""
+    import os
+    import stat
+
+    from ..fileio import write_atomic
+
+    target = os.path.realpath(path)
+    mode = stat.S_IMODE(os.stat(target).st_mode)
+    bom = "\ufeff" if original.startswith(b"\xef\xbb\xbf") else ""
+    write_atomic(target, bom + text)
+    os.chmod(target, mode)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._options import FOLDER
+
 ORDER = 1
 
 
@@ -15,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "with LoRA on a shipped instruction dataset on the CPU (one OOM is injected to show "
         "the recovery), and writes the memory log and an HTML report. Offline; about a minute.",
     )
-    p.add_argument("--out", default="oomless-demo", metavar="DIR",
+    p.add_argument("--out", type=FOLDER, default="oomless-demo", metavar="DIR",
                    help="folder for the model, data, oomless.yaml and run (default: ./oomless-demo)")
     p.add_argument("--force", action="store_true",
                    help="DIR may hold files the demo did not write; those in its way are "

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from ._options import FRACTION, GIB, NON_NEGATIVE, POSITIVE, add_run_sim_options
+from ..limits import PLAN_TIME_BUDGET_S
+from ._options import (
+    FOLDER,
+    FRACTION,
+    GPU_TEXT,
+    add_run_sim_options,
+    capped,
+    capped_gib,
+    number,
+)
 
 ORDER = 30
 
@@ -20,19 +29,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", metavar="MODEL|CONFIG.yaml",
                    help="catalog name, HF id in the local cache, config.json/folder, or an "
                    "oomless.yaml whose run is kept (its method stays unless --method)")
-    p.add_argument("--gpu", help="GPU and count: 4090, 'a100-80gb x8' (see `oomless gpus`)")
-    p.add_argument("--nodes", type=POSITIVE, help="number of nodes (default 1)")
+    p.add_argument("--gpu", type=GPU_TEXT, help="GPU and count: 4090, 'a100-80gb x8' (see `oomless gpus`)")
+    p.add_argument("--nodes", type=capped("hardware.nodes"), help="number of nodes (default 1)")
     p.add_argument("--data", help="training file (.json/.jsonl/.parquet): real lengths")
-    p.add_argument("--seq-len", type=POSITIVE,
+    p.add_argument("--seq-len", type=capped("seq_len"),
                    help="tokens per sample (with --data: the longest allowed)")
-    p.add_argument("--effective-batch", type=POSITIVE,
+    p.add_argument("--effective-batch", type=capped("effective_batch"),
                    help="samples per optimizer step over all GPUs (default 16)")
     p.add_argument("--method", choices=["auto", "full", "lora", "qlora"], default="auto")
     p.add_argument("--headroom", type=FRACTION, default=0.10,
                    help="fraction of GPU memory kept free (default 0.10)")
     p.add_argument("--objective", choices=["speed", "memory"], default="speed")
-    p.add_argument("--top", type=POSITIVE, default=5, help="plans shown (default 5)")
-    p.add_argument("--out", metavar="DIR", help="write the best plan's files here")
+    p.add_argument("--top", type=capped("top"), default=5, help="plans shown (default 5)")
+    p.add_argument("--time-budget", type=number(0.0, 3600.0, low_open=True), metavar="S",
+                   default=PLAN_TIME_BUDGET_S, help="seconds the search may take; it then "
+                   f"stops and says so (default {PLAN_TIME_BUDGET_S:g})")
+    p.add_argument("--out", type=FOLDER, metavar="DIR", help="write the best plan's files here")
     p.add_argument("--force", action="store_true",
                    help="--out may hold files oomless did not write; those it replaces are "
                    "kept as NAME.orig")
@@ -40,11 +52,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--assumptions", action="store_true", help="list every assumption")
     add_run_sim_options(p, check=True)
     more = p.add_argument_group("the run to keep")
-    more.add_argument("--host-ram-gb", type=GIB, help="host RAM per node (offload)")
-    more.add_argument("--images", type=NON_NEGATIVE, help="images per sample (vision-language)")
-    more.add_argument("--eval-batch-size", type=POSITIVE)
-    more.add_argument("--max-new-tokens", type=NON_NEGATIVE, help="generation during evaluation")
-    more.add_argument("--lora-r", type=POSITIVE, help="LoRA rank (fixed)")
+    more.add_argument("--host-ram-gb", type=capped_gib("hardware.host_ram_gb"), help="host RAM per node (offload)")
+    more.add_argument("--images", type=capped("data.images_per_sample", 0), help="images per sample (vision-language)")
+    more.add_argument("--eval-batch-size", type=capped("eval.batch_size"))
+    more.add_argument("--max-new-tokens", type=capped("eval.max_new_tokens", 0), help="generation during evaluation")
+    more.add_argument("--lora-r", type=capped("lora.r"), help="LoRA rank (fixed)")
     from ._options import add_stack_options
 
     add_stack_options(more)
@@ -61,11 +73,12 @@ def run(args: argparse.Namespace) -> int:
         objective=args.objective, top=args.top, host_ram_gb=args.host_ram_gb,
         images=args.images, eval_batch_size=args.eval_batch_size,
         max_new_tokens=args.max_new_tokens, lora_r=args.lora_r, stack=args.stack,
-        transformers_version=args.transformers_version, stack_version=args.stack_version)
+        transformers_version=args.transformers_version, stack_version=args.stack_version,
+        time_budget_s=args.time_budget)
     spec, req = request_from_options(opts)
     result = plan(spec, req)
     written = (write_best(result, req, spec, args.out, args.force, (args.model, args.data))
-               if args.out else [])
+               if args.out is not None else [])
     run_sim = _run(result, args) if args.steps and result.plans else None
     if args.json:
         import json

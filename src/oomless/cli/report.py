@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._options import FILE
+
 ORDER = 60
 
 
@@ -17,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("source", metavar="RUN_DIR|ESTIMATE.json",
                    help="output_dir of `oomless train`, or a file from `oomless estimate --json`")
-    p.add_argument("--out", "-o", metavar="FILE.html",
+    p.add_argument("--out", "-o", type=FILE, metavar="FILE.html",
                    help="where to write (default: RUN_DIR/report.html or ESTIMATE.html)")
     p.add_argument("--estimate", metavar="ESTIMATE.json",
                    help="with a run folder: the estimate to compare against "

@@ -1,7 +1,7 @@
 """Record formats → chat messages: alpaca, sharegpt and OpenAI messages (torch-free).
 
 Each function raises :class:`RecordError` whose message is the reason a bad
-record is reported with (file and line are added by runtime/data.py).
+record is reported with (file and line are added by oomless.dataset.records).
 """
 
 from __future__ import annotations

@@ -313,7 +313,7 @@ def load_examples(path: str | os.PathLike[str], tokenizer: Any, data: DataConfig
 
     ``data.on_bad_record == "error"`` raises one DataError naming every bad
     record; ``"skip"`` writes them to ``run_dir/rejected.jsonl``. ``vision``
-    (runtime/vision.py VisionProcessor): image+text records are accepted.
+    (oomless.dataset.vision.VisionProcessor): image+text records are accepted.
     """
     ensure_chat_template(tokenizer)
     examples: list[Example] = []

@@ -16,11 +16,16 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 # Optimizer state bytes per trainable parameter.
 # AdamW: exp_avg + exp_avg_sq in the parameter's dtype (torch.optim.AdamW).
 # bitsandbytes 8-bit Adam: 2 × uint8 states + fp32 absmax per block of 256
-# (bitsandbytes optim/optimizer.py Optimizer8bit, block-wise quantization;
-# tensors under min_8bit_size=4096 elements keep 32-bit states).
+# (bitsandbytes 0.50 optim/optimizer.py Optimizer2State.init_state, block-wise
+# quantization); tensors under min_8bit_size=4096 elements keep fp32 states
+# (memory/optimizer_states.py applies it tensor by tensor).
 ADAM8BIT_BLOCK = 256
 ADAM8BIT_BYTES = 2 + 2 * 4 / ADAM8BIT_BLOCK
 ADAM8BIT_MIN_SIZE = 4096
+# Paged bitsandbytes optimizers page a state only when its tensor has at least 1e5
+# elements (optim/optimizer.py Optimizer8bit.get_state_buffer: `p.numel() < 1e5`
+# gets torch.zeros_like on the device).
+PAGED_MIN_SIZE = 100_000
 
 # Cross-entropy in transformers' ForCausalLMLoss upcasts logits to fp32
 # (transformers/loss/loss_utils.py: `logits = logits.float()`), then

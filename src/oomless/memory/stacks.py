@@ -2,12 +2,13 @@
 
 The same model, method and batch need different memory under HF Trainer, TRL,
 LLaMA-Factory, axolotl, ms-swift, Unsloth or a hand-written loop, because each stack
-casts parameters, computes the loss and keeps tensors its own way. A *profile* is the
-list of those behaviours with the source each was read from (docs/stacks.md gives the
-same list for users); :func:`stack_effects` turns a run configuration into the
-switches the analytic model reads (precision.py, states.py, training.py and
-loss_paths.py call in here through small hooks). ``oomless trace`` runs the stacks' real code where
-it installs (runtime/trace/stacks.py) and the tests compare both.
+casts parameters, computes the loss and keeps tensors its own way. docs/stacks.md lists
+those behaviours with the source each was read from; :func:`stack_effects` is the one
+place that turns a run configuration into the switches the analytic model reads
+(precision.py, states.py, training.py and loss_paths.py call in here through small
+hooks), and :func:`stack_assumptions` says them with their sources in the estimate.
+``oomless trace`` runs the stacks' real code where it installs
+(oomless.runtime.trace.stacks) and the tests compare both.
 
 Versions matter: which transformers release computes the loss (:func:`loss_path`) and
 which TRL generation runs the step. A stated version (``stack_options``) wins, then the
@@ -21,13 +22,6 @@ from dataclasses import dataclass, replace
 from functools import cache, lru_cache
 
 from ..config import RunConfig, StackOptions
-
-
-@dataclass(frozen=True)
-class Behaviour:
-    key: str
-    text: str  # what it does to memory, in words
-    source: str  # repository · file · function it was read from
 
 
 @dataclass(frozen=True)
@@ -90,102 +84,15 @@ def loss_path(version: str) -> LossPath:
     return LOSS_PATHS[index]
 
 
-# ---- the profiles ----------------------------------------------------------------------
-_B = Behaviour
-HF_TRAINER = (
-    _B("autocast", "forward under bf16/fp16 autocast, outputs converted to fp32 and dropped "
-       "before backward", "transformers trainer.py Trainer.compute_loss; accelerate "
-       "utils/operations.py convert_outputs_to_fp32"),
-    _B("loss-path", "the loss path of the transformers release (fp32 upcast, shifted copy "
-       "before 4.49)", "transformers loss/loss_utils.py ForCausalLMLoss"),
-)
-PROFILES: dict[str, tuple[Behaviour, ...]] = {
-    "hf-trainer": HF_TRAINER,
-    "trl": HF_TRAINER + (
-        _B("trl-fused-head", "TRL ≥ 1.0: SFTTrainer scores tokens with a fused LM head in "
-           "tiles of 4096 tokens × 32768 vocabulary entries; the full logits never exist",
-           "trl trainer/utils.py add_fused_lm_head; trl kernels/chunked_logprob.py "
-           "ChunkedLogProbFunction; trainer/sft_trainer.py SFTTrainer.compute_loss"),
-        _B("trl-qlora-bf16-adapters", "TRL ≥ 1.0: LoRA adapters of a quantized model cast "
-           "to bf16 (states and gradients bf16)", "trl trainer/sft_trainer.py SFTTrainer."
-           "__init__ (loop after get_peft_model, _is_quantized_model)"),
-        _B("trl0-kbit", "TRL 0.x: k-bit models go through prepare_model_for_kbit_training "
-           "(16-bit parameters to fp32), then peft_module_casting_to_bf16 casts embeddings "
-           "and lm_head back to bf16 and keeps norms fp32", "trl 0.x (0.11–0.12) trainer/sft_trainer.py "
-           "SFTTrainer._prepare_peft_model; trainer/utils.py peft_module_casting_to_bf16"),
-    ),
-    "llamafactory": HF_TRAINER + (
-        _B("upcast_layernorm", "norm weights fp32 (norm outputs fp32)",
-           "LLaMA-Factory model/model_utils/checkpointing.py prepare_model_for_training"),
-        _B("upcast_lmhead_output", "a forward hook casts the lm_head output to fp32",
-           "LLaMA-Factory checkpointing.py _fp32_forward_post_hook"),
-        _B("enable_liger_kernel", "Liger kernels with fused linear cross-entropy",
-           "LLaMA-Factory model/model_utils/liger_kernel.py apply_liger_kernel"),
-        _B("use_unsloth_gc", "checkpointed layer inputs copied to host RAM",
-           "LLaMA-Factory checkpointing.py get_unsloth_gradient_checkpointing_func"),
-    ),
-    "axolotl": HF_TRAINER + (
-        _B("axolotl-kbit", "QLoRA without FSDP/ZeRO-3: embeddings and norms cast to fp32, "
-           "prepare_model_for_kbit_training, then norms and embeddings cast back to the "
-           "training dtype (only biases stay fp32)", "axolotl loaders/model.py "
-           "_configure_embedding_dtypes, _prepare_model_for_quantization, "
-           "_convert_embedding_modules_dtype"),
-        _B("liger", "Liger plugin: fused linear cross-entropy",
-           "axolotl integrations/liger"),
-    ),
-    "swift": HF_TRAINER + (
-        _B("swift-acc", "token accuracy from the logits' argmax inside compute_loss "
-           "(t × 8 bytes)", "ms-swift trainers/seq2seq_trainer.py Seq2SeqTrainer.compute_loss"),
-    ),
-    "unsloth": HF_TRAINER + (
-        _B("unsloth-offload-ckpt", "checkpointed layer inputs offloaded to host RAM",
-           "unsloth_zoo gradient_checkpointing.py Unsloth_Offloaded_Gradient_Checkpointer"),
-        _B("unsloth-fused-ce", "from 2025.8.5: cross-entropy fused with lm_head in chunks "
-           "sized to at most 16 B × tokens × vocabulary per chunk and 4 GiB in all (half the "
-           "free memory when less)", "unsloth_zoo fused_losses/cross_entropy_loss.py "
-           "get_chunk_size, _CE_BYTES_PER_LOGIT, _CE_TARGET_GB_CAP"),
-        _B("unsloth-cce", "2024.11.8 to 2025.8.4: cut_cross_entropy's linear_cross_entropy "
-           "(no logits) for batches over 1024 tokens", "unsloth models/llama.py "
-           "CausalLM_fast_forward (HAS_CUT_CROSS_ENTROPY, RETURN_LOGITS)"),
-        _B("unsloth-triton-ce", "to 2024.11.7: the model's bf16 logits and a Triton "
-           "cross-entropy whose backward writes the gradient into the logits in place",
-           "unsloth kernels/cross_entropy_loss.py Fast_CrossEntropyLoss"),
-    ),
-    "torchtune": (
-        _B("torchtune-dtype", "the model runs in its dtype (bf16) without autocast: full "
-           "fine-tuning is pure bf16 (no fp32 master weights, AdamW states bf16), LoRA "
-           "adapters bf16", "torchtune recipes/full_finetune_single_device.py _setup_model "
-           "(training.set_default_dtype); modules/peft/lora.py LoRALinear"),
-        _B("torchtune-chunked-ce", "transformers' loss is not used: torchtune ≤ 0.6 "
-           "CEWithChunkedOutputLoss (the model returns its bf16 logits in 8 chunks, each "
-           "upcast to fp32 on its own), later LinearCrossEntropyLoss (the output projection "
-           "runs per chunk of 8 inside the loss: the full logits never exist); eager "
-           "F.cross_entropy keeps each chunk's fp32 log-probabilities for backward",
-           "torchtune modules/loss/ce_chunked_output_loss.py, cross_entropy_loss.py "
-           "(num_output_chunks=8)"),
-        _B("optimizer_in_bwd", "each parameter's optimizer step runs in a "
-           "post-accumulate-grad hook that then frees its gradient: gradients never exist "
-           "all at once", "torchtune training/memory.py register_optim_in_bwd_hooks "
-           "(optim_step: step, zero_grad)"),
-        _B("enable_activation_offloading", "saved activations (the checkpointed layer "
-           "inputs under activation checkpointing) copied to host RAM",
-           "torchtune training/_activation_offloading.py OffloadActivations"),
-    ),
-    "custom-loop": (
-        _B("no-autocast", "the model runs in its 16-bit dtype without autocast; fp32 LoRA "
-           "adapters get an fp32 copy of their input", "peft method_comparison/MetaMathQA/"
-           "run.py (use_amp false); peft tuners/lora/layer.py Linear.forward "
-           "_cast_input_dtype"),
-        _B("keep-outputs", "the outputs (logits) stay alive through backward, the optimizer "
-           "step and the next forward", "peft method_comparison/MetaMathQA/run.py train loop"),
-        _B("kbit-upcast", "QLoRA: prepare_model_for_kbit_training casts every 16-bit "
-           "non-quantized parameter to fp32 (embeddings: fp32 residual stream; lm_head: "
-           "fp32 logits without autocast)", "peft utils/other.py "
-           "prepare_model_for_kbit_training"),
-        _B("loss-path", "the loss path of the transformers release",
-           "transformers loss/loss_utils.py ForCausalLMLoss"),
-    ),
-}
+# ms-swift trainers/seq2seq_trainer.py Seq2SeqTrainer.compute_loss ends with
+# trainers/mixin.py SwiftMixin._compute_acc: preds = outputs.logits.argmax(dim=-1), an
+# int64 tensor per token, handed to metrics/acc.py compute_acc, which copies it to the
+# host. It is allocated after the loss has freed its fp32 transients (at least 4 bytes
+# per token × vocabulary entry), so it never adds to a peak: swift's bytes are HF
+# Trainer's (the trace runs the argmax: runtime/trace/stacks.py).
+SWIFT_ACCURACY = ("ms-swift's token accuracy: logits.argmax (int64, 8 bytes per token) "
+                  "after the loss has freed its fp32 copies of the logits; below every peak "
+                  "(ms-swift 4.6 trainers/mixin.py SwiftMixin._compute_acc)")
 
 
 # ---- what a configuration gets ------------------------------------------------------
@@ -262,6 +169,8 @@ def _effects(stack: str, method: str, zero: int, grad_ckpt: bool, precision: str
                      "own Triton kernels for RoPE, RMSNorm and SwiGLU are counted as HF's")
     elif cfg.stack == "torchtune":
         fx = _torchtune(fx, cfg, notes)
+    elif cfg.stack == "swift":
+        notes.append(SWIFT_ACCURACY)
     elif cfg.stack == "custom-loop":
         pure = cfg.precision in ("bf16", "fp16")
         fx = replace(fx, autocast=not pure, keep_outputs=True,

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 from ..config import RunConfig
 from ..errors import ConfigError
-from ..knobs import OPTIMIZERS
+from ..knobs import OPTIMIZERS, offloaded_optimizer
 from ..models.spec import LinearSpec, ModelSpec
 from . import constants as C
 from .moe_lora import expert_adapter_params, is_fused_expert_target
+from .optimizer_states import OptimizerBytes, optimizer_state_bytes, trainable_tensors
 from .precision import Dtypes
 from .quantized import check_prequantized, quant_constant_bytes, quantized_weight_bytes
 from .stacks import StackEffects, stack_effects
@@ -144,16 +145,17 @@ def qlora_gathered_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
     return largest + C.ZERO3_PREFETCH_FRACTION * spec.hidden_size**2 * 2
 
 
-def optimizer_bytes_per_param(cfg: RunConfig, dt: Dtypes) -> float:
-    """State bytes per trainable parameter, from the optimizer's row in knobs.OPTIMIZERS."""
+def optimizer_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, targets: set[str],
+                    trainable: int) -> OptimizerBytes:
+    """State bytes of the optimizer's row in knobs.OPTIMIZERS over the trainable tensors
+    (bitsandbytes' per-tensor rules: memory/optimizer_states.py)."""
     kind = OPTIMIZERS.get(cfg.optimizer)
     if kind is None:
         raise ConfigError(f"unknown optimizer '{cfg.optimizer}'; one of {', '.join(OPTIMIZERS)}")
     if kind.factored:
-        return 0.0  # factored: computed per matrix in adafactor_bytes
-    if kind.eight_bit:
-        return C.ADAM8BIT_BYTES
-    return kind.full_states * dt.optim_elem_bytes
+        return OptimizerBytes(adafactor_bytes(spec, cfg, targets), 0.0)
+    tensors = trainable_tensors(spec, cfg, targets, _LORA_ROLES, trainable)
+    return optimizer_state_bytes(kind, tensors, dt.optim_elem_bytes)
 
 
 def adafactor_bytes(spec: ModelSpec, cfg: RunConfig, targets: set[str]) -> int:
@@ -225,12 +227,21 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     if adapter:
         st.gpu["lora_adapters"] = round(adapter * dt.trainable_bytes / shard3)
 
-    opt_per = optimizer_bytes_per_param(cfg, dt)
-    opt = (
-        adafactor_bytes(spec, cfg, targets)
-        if cfg.optimizer == "adafactor"
-        else trainable * opt_per
-    )
+    stepped = cfg
+    if cfg.offload in ("optimizer", "all"):
+        stepped = cfg.model_copy(update={"optimizer": offloaded_optimizer(cfg.optimizer).name})
+        if stepped.optimizer != cfg.optimizer:
+            st.assumptions.append(
+                f"optimizer offload: DeepSpeed steps CPU-Adam ({stepped.optimizer}), not "
+                f"{cfg.optimizer}: it refuses a client optimizer with ZeRO-Offload "
+                "(deepspeed runtime/engine.py, zero_force_ds_cpu_optimizer)")
+    states = optimizer_bytes(spec, stepped, dt, targets, trainable)
+    opt = states.device + states.paged
+    if OPTIMIZERS[stepped.optimizer].eight_bit:
+        st.assumptions.append(
+            f"8-bit optimizer states: tensors under {C.ADAM8BIT_MIN_SIZE:,} elements (norms, "
+            "biases, narrow LoRA matrices) keep fp32 states (bitsandbytes min_8bit_size); "
+            "tensors the model's shapes do not name are counted as large")
     master = trainable * dt.master_bytes
     fp32_grad_partition = trainable * 4 if cfg.zero >= 1 else 0
     optimizer_side = (opt + master + fp32_grad_partition) / shard_opt
@@ -241,13 +252,15 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
             "optimizer states live in pinned host RAM (DeepSpeed ZeRO-Offload)"
         )
     elif OPTIMIZERS[cfg.optimizer].paged:
-        st.paged_bytes = round(opt / shard_opt)
+        st.paged_bytes = round(states.paged / shard_opt)
+        st.gpu["optimizer"] = round(states.device / shard_opt)
         st.gpu["master_weights"] = round(master / shard_opt)
         st.gpu["grad_partition_fp32"] = round(fp32_grad_partition / shard_opt)
         st.assumptions.append(
-            "paged optimizer: bitsandbytes keeps states in CUDA unified memory, "
-            "outside PyTorch's allocator; they count on the device until memory "
-            "runs short, then page to host, so they are not counted against the fit"
+            "paged optimizer: bitsandbytes keeps the states of tensors of 100,000 elements "
+            "or more in CUDA unified memory, outside PyTorch's allocator; they count on the "
+            "device until memory runs short, then page to host, so they are not counted "
+            "against the fit (smaller tensors' states are ordinary device memory)"
         )
     else:
         st.gpu["optimizer"] = round(opt / shard_opt)

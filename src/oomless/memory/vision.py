@@ -260,3 +260,15 @@ def merged_input_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> f
         return 0
     images = cfg.micro_batch_size * cfg.data.images_per_sample
     return dt.act_bytes * spec.hidden_size * (t + images * image_tokens(spec, cfg))
+
+
+def check_images_fit_model(spec: ModelSpec, cfg: RunConfig) -> None:
+    """Images per sample on a model without a vision tower are refused: they would be
+    ignored without a word (the memory of a text run answering a vision question)."""
+    if cfg.data.images_per_sample and spec.vision is None:
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            f"data.images_per_sample {cfg.data.images_per_sample} (--images): {spec.name} is "
+            "a text model (no vision tower) and cannot take images; drop --images / "
+            "images_per_sample, or choose a vision-language model")

@@ -19,13 +19,14 @@ the plan, and plans with fewer trade-offs rank first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import product
 from typing import TYPE_CHECKING
 
 from ..config import RunConfig
-from ..knobs import OPTIMIZERS
+from ..knobs import OPTIMIZERS, offloaded_optimizer
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 
@@ -76,6 +77,7 @@ class PlanRequest:
     host_ram_assumed: bool = True
     notes: tuple[str, ...] = ()
     shardings: tuple[tuple[int, str], ...] | None = None  # (ZeRO, offload) a format can express
+    time_budget_s: float = 0.0  # the search stops after this long (planner/plan.py); 0: none
 
     @property
     def budget_bytes(self) -> int:
@@ -98,8 +100,11 @@ class Family:
 
 
 def batch_splits(per_gpu_batch: int) -> list[tuple[int, int]]:
-    """(micro batch, accumulation) pairs whose product is the per-GPU batch, smallest micro first."""
-    return [(b, per_gpu_batch // b) for b in range(1, per_gpu_batch + 1) if per_gpu_batch % b == 0]
+    """(micro batch, accumulation) pairs whose product is the per-GPU batch, smallest micro
+    first: the divisors up to the square root and their partners (√n steps, not n)."""
+    small = [b for b in range(1, math.isqrt(per_gpu_batch) + 1) if per_gpu_batch % b == 0]
+    micros = small + [per_gpu_batch // b for b in reversed(small) if b * b != per_gpu_batch]
+    return [(b, per_gpu_batch // b) for b in micros]
 
 
 def flash_supported(spec: ModelSpec, cluster: Cluster, precision: str) -> bool:
@@ -240,7 +245,7 @@ def _tradeoffs(base: RunConfig, precision: str, opt: str, packing: bool) -> tupl
     out: tuple[str, ...] = ()
     if precision == "pure-bf16" and base.precision != "pure-bf16":
         out += ("pure bf16 (no fp32 master weights or optimizer states)",)
-    if "8bit" in opt and "8bit" not in base.optimizer:
+    if OPTIMIZERS[opt].eight_bit and not OPTIMIZERS[base.optimizer].eight_bit:
         out += (f"8-bit optimizer states ({opt})",)
     if packing and not base.data.packing:
         out += ("packing several samples per sequence (fewer samples per step)",)
@@ -262,7 +267,15 @@ def families(req: PlanRequest, spec: ModelSpec) -> Iterator[Family]:
             for precision in _precisions(req, method, zero):
                 rest = product(_optimizers(req, method), _lengths(req, spec), _packings(req),
                                _ckpts(req), _attns(req, spec, precision), _eval_batches(req))
+                seen: set[tuple] = set()
                 for opt, (length, len_to), packing, ckpt, attn, eb in rest:
+                    if offload != "none" and not OPTIMIZERS[opt].zero_offload:
+                        if not req.free("optimizer"):
+                            continue  # DeepSpeed would step CPU-Adam (knobs.OptimizerKind)
+                        opt = offloaded_optimizer(opt).name
+                    if (opt, length, packing, ckpt, attn, eb) in seen:
+                        continue
+                    seen.add((opt, length, packing, ckpt, attn, eb))
                     cfg = base.model_copy(update=dict(
                         method=method, quantization=quant, lora=lora, zero=zero,
                         offload=offload, precision=precision, optimizer=opt, seq_len=length,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..config import RunConfig, build_run_config, load_run_config, set_dotted
 from ..errors import ConfigError
+from ..limits import PLAN_TIME_BUDGET_S, check_cap
 from ..models.catalog import resolve_model
 from ..models.hardware import Cluster, parse_gpu_arg
 from ..models.spec import ModelSpec
@@ -40,6 +41,7 @@ class PlanOptions:
     stack: str | None = None  # the training stack (docs/stacks.md); kept by the search
     transformers_version: str | None = None
     stack_version: str | None = None
+    time_budget_s: float = PLAN_TIME_BUDGET_S  # the search stops after this long, and says so
 
 
 def _base_config(opts: PlanOptions, spec: ModelSpec) -> tuple[RunConfig, list[str], set[str]]:
@@ -90,9 +92,10 @@ def _base_config(opts: PlanOptions, spec: ModelSpec) -> tuple[RunConfig, list[st
 
 
 def _cluster(opts: PlanOptions, base: RunConfig) -> Cluster:
+    check_cap("hardware.host_ram_gb", opts.host_ram_gb, "--host-ram-gb")
     host = round(opts.host_ram_gb * 1e9) if opts.host_ram_gb else (
         round(base.hardware.host_ram_gb * 1e9) if base.hardware.host_ram_gb else None)
-    if opts.gpu:
+    if opts.gpu is not None:
         return parse_gpu_arg(opts.gpu, nodes=opts.nodes or base.hardware.nodes,
                              host_ram_bytes=host)
     if base.hardware.gpu:
@@ -111,6 +114,10 @@ def request_from_options(opts: PlanOptions) -> tuple[ModelSpec, PlanRequest]:
         model_text = load_run_config(model_text).model
     resolved = resolve_model(model_text)
     spec = resolved.spec
+    if opts.images and spec.vision is None:
+        raise ConfigError(f"--images {opts.images}: {spec.name} is a text model (no vision "
+                          "tower) and cannot take images; drop --images, or plan a "
+                          "vision-language model")
     base, notes, fixed = _base_config(opts, spec)
     cluster = _cluster(opts, base)
     profile = None
@@ -132,7 +139,8 @@ def request_from_options(opts: PlanOptions) -> tuple[ModelSpec, PlanRequest]:
     req = build_request(spec, base, cluster, effective_batch=given_batch,
                         method_auto=opts.method == "auto" and "method" not in fixed,
                         headroom=opts.headroom, objective=opts.objective, top=opts.top,
-                        data=profile, fixed=frozenset(fixed), notes=tuple(notes))
+                        data=profile, fixed=frozenset(fixed), notes=tuple(notes),
+                        time_budget_s=opts.time_budget_s)
     return spec, req
 
 

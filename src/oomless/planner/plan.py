@@ -6,7 +6,7 @@ keeps the configurations that fit, ranks them and, for every family group
 much it misses. The result is a frozen, JSON-serialisable PlanResult.
 
 Ranking (``objective``):
-- ``speed``: fewest trade-offs first (see search.py), then highest predicted
+- ``speed``: fewest trade-offs first (oomless.planner.candidates), then highest predicted
   tokens/s (within 0.5%: a tie); ties keep the search's preference order
   (no ZeRO before ZeRO, no checkpointing before checkpointing, flash first).
 - ``memory``: fewest trade-offs, then lowest device peak, then tokens/s.
@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..config import RunConfig
+from ..knobs import OPTIMIZERS
 from ..models.spec import ModelSpec
 from ..units import fmt_bytes
 from .candidates import SEARCH_ASSUMPTIONS, PlanRequest, batch_splits, families
@@ -142,6 +143,7 @@ class PlanResult:
     data: dict[str, Any] | None = None
     suggestions: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    complete: bool = True  # False: the time budget ended the search (see notes)
 
     @property
     def nothing_fits(self) -> bool:
@@ -181,14 +183,19 @@ def _rank_key(req: PlanRequest, f: _Found) -> tuple:
     return (len(f.tradeoffs), tps, f.family_order)
 
 
-def _walk(spec: ModelSpec, req: PlanRequest, ev: CandidateScorer) -> tuple[list[_Found], dict, int]:
+def _walk(spec: ModelSpec, req: PlanRequest, ev: CandidateScorer
+          ) -> tuple[list[_Found], dict, int, int | None]:
     """Every family's splits, smallest micro batch first; a split that does not
-    fit ends its family (a larger micro batch never needs less memory)."""
+    fit ends its family (a larger micro batch never needs less memory). The last item:
+    the families walked when the time budget ended the search (None: it did not)."""
     found: list[_Found] = []
     misses: dict[str, tuple[Fit, RunConfig]] = {}
     searched = 0
     splits = batch_splits(req.per_gpu_batch)
-    for fam in families(req, spec):
+    deadline = time.monotonic() + req.time_budget_s if req.time_budget_s else None
+    for walked, fam in enumerate(families(req, spec)):
+        if deadline is not None and time.monotonic() > deadline:
+            return found, misses, searched, walked
         ctx = None
         states = ev.states(fam.cfg)  # independent of the micro batch and accumulation
         for i, (b, a) in enumerate(splits):
@@ -204,7 +211,7 @@ def _walk(spec: ModelSpec, req: PlanRequest, ev: CandidateScorer) -> tuple[list[
             ctx = ctx or ev.family_context(fam, states)
             found.append(_Found(cfg, fit, ev.speed(ctx, cfg, fit), fam.order, fam.group,
                                 fam.tradeoffs))
-    return found, misses, searched
+    return found, misses, searched, None
 
 
 def _closer(a: Fit, b: Fit) -> bool:
@@ -214,7 +221,7 @@ def _closer(a: Fit, b: Fit) -> bool:
 def _variety(f: _Found) -> tuple:
     """Plans that differ only in the split, the attention kernel or paging are one alternative."""
     c = f.cfg  # paged or not: the same optimizer math, one alternative
-    return (f.group, c.precision, "8bit" in c.optimizer, c.grad_ckpt, c.lora.r,
+    return (f.group, c.precision, OPTIMIZERS[c.optimizer].eight_bit, c.grad_ckpt, c.lora.r,
             str(c.lora.targets), c.seq_len, c.data.packing, c.eval.batch_size)
 
 
@@ -287,7 +294,7 @@ def search(spec: ModelSpec, req: PlanRequest) -> PlanResult:
     """Find the configurations that fit, best first, and the nearest misses."""
     t0 = time.perf_counter()
     ev = CandidateScorer(spec, req)
-    found, missed, searched = _walk(spec, req, ev)
+    found, missed, searched, walked = _walk(spec, req, ev)
     top = _pick(req, found)
     fitting_groups = {f.group for f in found}
     misses = [Miss(g, cfg.to_dict(), fit.device_peak_bytes, fit.peak_phase, fit.over_bytes,
@@ -302,8 +309,18 @@ def search(spec: ModelSpec, req: PlanRequest) -> PlanResult:
         effective_batch=req.effective_batch, objective=req.objective, plans=plans,
         misses=misses, fitting=len(found), searched=searched, evaluated=ev.evaluated,
         elapsed_s=elapsed, assumptions=_assumptions(req, plans),
-        data=req.data.summary() if req.data else None, notes=list(req.notes),
+        data=req.data.summary() if req.data else None,
+        notes=list(req.notes) + ([budget_note(req, walked)] if walked is not None else []),
+        complete=walked is None,
     )
+
+
+def budget_note(req: PlanRequest, walked: int) -> str:
+    """What the user reads when the time budget ended the search."""
+    return (f"the search stopped at its time budget of {req.time_budget_s:g} s after "
+            f"walking {walked} candidate families (in preference order: no ZeRO, no "
+            "checkpointing first); the plans shown are the best of those. Fix more of the "
+            "run (--method, or a smaller --effective-batch) to search it whole")
 
 
 def _assumptions(req: PlanRequest, plans: list[Plan]) -> list[str]:

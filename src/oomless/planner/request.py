@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from ..config import RunConfig
 from ..errors import ConfigError
+from ..limits import PLAN_TIME_BUDGET_S, check_cap
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 from .candidates import KNOBS, PlanRequest
@@ -53,17 +54,24 @@ def build_request(spec: ModelSpec, base: RunConfig, cluster: Cluster, *,
                   headroom: float = 0.10, objective: str = "speed", top: int = 5,
                   data=None, fixed: frozenset[str] = frozenset(),
                   notes: tuple[str, ...] = (),
-                  shardings: tuple[tuple[int, str], ...] | None = None) -> PlanRequest:
-    """A PlanRequest whose base configuration names the cluster's GPUs."""
+                  shardings: tuple[tuple[int, str], ...] | None = None,
+                  time_budget_s: float = PLAN_TIME_BUDGET_S) -> PlanRequest:
+    """A PlanRequest whose base configuration names the cluster's GPUs; the numbers are
+    checked against limits.CAPS as the CLI's flags are (the web page comes here too)."""
     if not 0 <= headroom < 1:
         raise ConfigError(f"--headroom {headroom}: expected a fraction in [0, 1), e.g. 0.10")
     if top < 1:
         raise ConfigError(f"--top {top}: expected at least 1")
+    check_cap("top", top, "--top")
+    check_cap("world_size", cluster.world_size, "--gpu × --nodes (GPUs in all)")
+    check_cap("hardware.gpus_per_node", cluster.gpus_per_node, "--gpu (GPUs per node)")
+    check_cap("hardware.nodes", cluster.nodes, "--nodes")
     unknown = set(fixed) - set(KNOBS)
     if unknown:
         raise ConfigError(f"unknown fixed knob(s) {sorted(unknown)}; known: {', '.join(KNOBS)}")
     batch = effective_batch if effective_batch is not None else (
         base.micro_batch_size * base.grad_accum * cluster.world_size)
+    check_cap("effective_batch", batch, "--effective-batch")
     cluster, more = usable_cluster(cluster, batch)
     per_gpu = batch // cluster.world_size
     hw = base.hardware.model_copy(update={
@@ -77,4 +85,4 @@ def build_request(spec: ModelSpec, base: RunConfig, cluster: Cluster, *,
                        objective=objective, top=top, method_auto=method_auto,
                        fixed=frozenset(fixed), data=data, host_ram_bytes=host,
                        host_ram_assumed=assumed, notes=tuple(notes) + tuple(more),
-                       shardings=shardings)
+                       shardings=shardings, time_budget_s=time_budget_s)

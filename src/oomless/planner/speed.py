@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import RunConfig
+from ..knobs import OPTIMIZERS
 from ..models.hardware import Cluster, GPUSpec
 from ..models.spec import ModelSpec
 
@@ -270,7 +271,7 @@ def _offload(cfg: RunConfig, cluster: Cluster, sb: ShardBytes) -> tuple[float, f
 def _optimizer_step(cfg: RunConfig, cluster: Cluster, sb: ShardBytes) -> float:
     if cfg.offload in ("optimizer", "all"):
         return 0.0  # on the CPU, counted in the offload time
-    per = ADAM8BIT_BYTES_PER_PARAM if "8bit" in cfg.optimizer else ADAM_BYTES_PER_PARAM
+    per = ADAM8BIT_BYTES_PER_PARAM if OPTIMIZERS[cfg.optimizer].eight_bit else ADAM_BYTES_PER_PARAM
     shard = cfg.world_size if cfg.zero >= 1 else 1
     bw = cluster.gpu.memory_bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY
     return sb.trainable_params / shard * per / bw

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from ..models.hardware import Cluster, gpu_catalog
@@ -16,12 +17,23 @@ GPU_COUNTS = (2, 4, 8, 16, 32, 64)
 GPUS_PER_NODE = 8
 
 
-def _retry(spec: ModelSpec, req: PlanRequest, cluster: Cluster, **changes) -> PlanResult:
-    """The same request on other hardware (top 1, no nested suggestions)."""
+class _OutOfTime(Exception):
+    """The plan's time budget is spent: no further hardware is tried."""
+
+
+def _retry(spec: ModelSpec, req: PlanRequest, cluster: Cluster, deadline: float | None = None,
+           **changes) -> PlanResult:
+    """The same request on other hardware (top 1, no nested suggestions), within what is
+    left of the time budget (``deadline``, time.monotonic())."""
+    budget = 0.0
+    if deadline is not None:
+        budget = deadline - time.monotonic()
+        if budget <= 0:
+            raise _OutOfTime
     sub = build_request(spec, req.base, cluster, effective_batch=req.effective_batch,
                         method_auto=changes.get("method_auto", req.method_auto),
                         headroom=req.headroom, objective=req.objective, top=1, data=req.data,
-                        fixed=req.fixed)
+                        fixed=req.fixed, time_budget_s=budget)
     return search(spec, sub)
 
 
@@ -34,7 +46,8 @@ def _summary(result: PlanResult) -> str:
             f"{best.tokens_per_s:,.0f} tokens/s")
 
 
-def bigger_gpu(spec: ModelSpec, req: PlanRequest, need_bytes: int) -> str | None:
+def bigger_gpu(spec: ModelSpec, req: PlanRequest, need_bytes: int,
+               deadline: float | None = None) -> str | None:
     """The smallest catalog GPU (same count) on which something fits."""
     cur = req.cluster.gpu
     cards = sorted((g for g in gpu_catalog().values()
@@ -42,40 +55,46 @@ def bigger_gpu(spec: ModelSpec, req: PlanRequest, need_bytes: int) -> str | None
                     and (1 - req.headroom) * g.memory_bytes >= 0.9 * need_bytes),
                    key=lambda g: (g.memory_bytes, -g.bf16_tflops))
     for gpu in cards[:MAX_GPU_TRIES]:
-        result = _retry(spec, req, replace(req.cluster, gpu=gpu))
+        result = _retry(spec, req, replace(req.cluster, gpu=gpu), deadline)
         if result.plans:
             return f"{result.hardware}: {_summary(result)}"
     return None
 
 
-def more_gpus(spec: ModelSpec, req: PlanRequest) -> str | None:
+def more_gpus(spec: ModelSpec, req: PlanRequest, deadline: float | None = None) -> str | None:
     """The fewest GPUs of the same kind (multiples the effective batch allows)."""
     for n in GPU_COUNTS:
         if n <= req.cluster.world_size or req.effective_batch % n:
             continue
         per_node = min(n, GPUS_PER_NODE)
         cluster = Cluster(req.cluster.gpu, per_node, n // per_node, req.cluster.host_ram_bytes)
-        result = _retry(spec, req, cluster)
+        result = _retry(spec, req, cluster, deadline)
         if result.plans:
             return f"{result.hardware}: {_summary(result)}"
     return None
 
 
-def suggestions(spec: ModelSpec, req: PlanRequest, result: PlanResult) -> list[str]:
-    """Hardware that fits the request when nothing fits on the given GPUs."""
+def suggestions(spec: ModelSpec, req: PlanRequest, result: PlanResult,
+                deadline: float | None = None) -> list[str]:
+    """Hardware that fits the request when nothing fits on the given GPUs, searched
+    until ``deadline`` (time.monotonic(); None: no limit)."""
     if result.plans:
         return []
     need = min((m.device_peak_bytes for m in result.misses), default=req.cluster.gpu.memory_bytes)
-    out = []
-    if not req.method_auto:
-        other = _retry(spec, req, req.cluster, method_auto=True)
-        if other.plans:
-            why = next((c["why"] for c in other.best.changes if c.get("why")), "")
-            out.append(f"another method on the same GPUs: {_summary(other)} "
-                       f"(--method auto){'; ' + why if why else ''}")
-    for found in (bigger_gpu(spec, req, need), more_gpus(spec, req)):
-        if found:
-            out.append(found)
+    out: list[str] = []
+    try:
+        if not req.method_auto:
+            other = _retry(spec, req, req.cluster, deadline, method_auto=True)
+            if other.plans:
+                why = next((c["why"] for c in other.best.changes if c.get("why")), "")
+                out.append(f"another method on the same GPUs: {_summary(other)} "
+                           f"(--method auto){'; ' + why if why else ''}")
+        out.append(bigger_gpu(spec, req, need, deadline) or "")
+        out.append(more_gpus(spec, req, deadline) or "")
+    except _OutOfTime:
+        out.append(f"the time budget of {req.time_budget_s:g} s ended the search for other "
+                   "hardware")
+    out = [line for line in out if line]
     if not out:
         out.append("no catalog GPU up to 64 of them fits this request; shorten the sequences "
                    "or use a smaller model")
@@ -84,7 +103,8 @@ def suggestions(spec: ModelSpec, req: PlanRequest, result: PlanResult) -> list[s
 
 def plan(spec: ModelSpec, req: PlanRequest) -> PlanResult:
     """search() plus, when nothing fits, what would."""
+    deadline = time.monotonic() + req.time_budget_s if req.time_budget_s else None
     result = search(spec, req)
     if result.plans:
         return result
-    return replace(result, suggestions=suggestions(spec, req, result))
+    return replace(result, suggestions=suggestions(spec, req, result, deadline))

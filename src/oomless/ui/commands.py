@@ -63,6 +63,8 @@ def option_words(request: dict[str, Any], kind_of: str) -> list[str]:
         value = request.get(key)
         if value is None or value == "":
             continue
+        if key == "quant" and request.get("method") != "qlora":
+            continue  # the page shows the quantization only for QLoRA (estimate.js)
         if kind is bool:
             if not isinstance(value, bool):
                 raise ConfigError(f"'{key}': expected true or false, got {value!r}")

@@ -8,8 +8,8 @@ the settings that shape the outputs; a rerun with different ones is refused
 rather than mixing two models' answers in one file.
 
 Backends (same interface): vLLM on a GPU, with engine arguments from the
-memory model (runtime/infer_vllm.py), and transformers ``generate`` elsewhere
-(runtime/infer_hf.py). torch is imported by the backends only.
+memory model (oomless.runtime.infer.vllm), and transformers ``generate`` elsewhere
+(oomless.runtime.infer.hf). torch is imported by the backends only.
 """
 
 from __future__ import annotations

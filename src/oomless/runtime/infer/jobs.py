@@ -1,4 +1,4 @@
-"""``oomless infer`` and ``oomless score`` as library calls (see runtime/infer.py)."""
+"""``oomless infer`` and ``oomless score`` as library calls (see oomless.runtime.infer.core)."""
 
 from __future__ import annotations
 

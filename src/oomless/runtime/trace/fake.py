@@ -3,15 +3,15 @@
 The real transformers model is built from its config on the meta device and
 turned into CPU fake tensors (runtime/build.py), real PEFT LoRA and
 bitsandbytes 4-bit layers included; HF Trainer's step runs twice (the second
-with optimizer state) under the storage tracker (runtime/tracker.py), with
-CUDA-only kernel buffers emulated (runtime/cuda_emulation.py); the alloc/free
+with optimizer state) under the storage tracker (oomless.runtime.trace.storage_tracker), with
+CUDA-only kernel buffers emulated (oomless.runtime.trace.cuda_emulation); the alloc/free
 stream is replayed through the caching-allocator simulation
 (oomless/allocator.py). No weights, no GPU.
 
 Large models: decoder layers repeat. A model with more than
 ``FULL_TRACE_MAX_LAYERS`` layers is traced with three blocks of its layer
 pattern (prefix + 3·period layers) and the alloc/free stream of the full
-depth is written from it (runtime/expand.py), so the allocator simulation
+depth is written from it (oomless.runtime.trace.expansion), so the allocator simulation
 replays the whole model. Where the layers do not repeat cleanly, two shallow
 traces are extrapolated linearly instead (exact for allocated bytes, an
 approximation for reserved ones). tests/runtime/test_trace.py checks both

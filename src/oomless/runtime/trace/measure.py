@@ -2,7 +2,7 @@
 
 On an NVIDIA GPU: the model is built from its config on the GPU with random
 weights (runtime/build.py, mode "real"), HF Trainer's step runs a few times
-(runtime/step.py), and the result holds ``torch.cuda.max_memory_allocated`` /
+(oomless.runtime.trace.hf_step), and the result holds ``torch.cuda.max_memory_allocated`` /
 ``max_memory_reserved`` per phase and the device memory NVML reports
 (nvidia-ml-py), sampled through the steps; the CUDA context is measured on its
 own, before the model exists.

@@ -155,11 +155,23 @@ def stack_loss(cfg: RunConfig) -> Callable[[Any, dict[str, torch.Tensor]], tuple
     """(model, batch) → (loss, outputs) as the stack's compute_loss does it."""
     if stack_effects(cfg).fused_loss == "trl":
         return _trl_fused_loss
+    if cfg.stack == "swift":
+        return _swift_loss_and_accuracy
     return model_loss
 
 
 def model_loss(forward: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any]:
     outputs = forward(**batch)
+    return outputs.loss, outputs
+
+
+def _swift_loss_and_accuracy(forward: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+    """ms-swift trainers/seq2seq_trainer.py Seq2SeqTrainer.compute_loss: the model's loss,
+    then trainers/mixin.py SwiftMixin._compute_acc takes the logits' argmax (int64 per
+    token) and metrics/acc.py compute_acc copies it to the host."""
+    outputs = forward(**batch)
+    preds = outputs.logits.argmax(dim=-1)
+    del preds  # compute_acc: preds.cpu().numpy(); the device tensor dies with the call
     return outputs.loss, outputs
 
 

@@ -2,7 +2,7 @@
 
 Before the step the tracker learns the weights, adapters, quantization states
 and inputs; during it, which decoder layer runs at every event (for layer
-expansion, runtime/expand.py) and where the logits region starts and ends
+expansion, oomless.runtime.trace.expansion) and where the logits region starts and ends
 (lm_head forward to lm_head backward); after backward, which storages are
 gradients; after the step, which are optimizer states — each attributed to
 the decoder layer of its parameter.

@@ -5,7 +5,7 @@ The run folder gets the files the launch uses, each valid for its tool:
 distributed type) and, for ZeRO, ``deepspeed.json`` (the stage and offload
 of the plan, no "auto" values). Every process then runs ``python -m oomless
 train CONFIG`` with WORLD_SIZE/RANK/LOCAL_RANK set by accelerate, joins the
-process group (NCCL) and drives the engine (runtime/engines.py).
+process group (NCCL) and drives the engine (oomless.runtime.train.engines).
 Multi-node: run the same command on every node with ``--machine-rank`` and
 ``--main-process-ip`` (the run folder must be on a shared file system).
 """

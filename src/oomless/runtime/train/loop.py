@@ -5,7 +5,7 @@ an OOM *without changing the training* needs control over which samples an
 optimizer step uses and how they are cut into micro batches. Trainer pulls
 fixed-size batches from a DataLoader inside its ~600-line inner loop, so a
 retry would either skip those samples or repeat them. Here a step is a list
-of sample indices (runtime/batches.py), cut into micro batches of the
+of sample indices (oomless.runtime.train.batches), cut into micro batches of the
 current size; the loss is the sum of token losses divided by the label
 tokens of the *whole* optimizer step (all ranks), so any cut gives the same
 gradient. On an OOM every rank learns about it through one all_reduce, drops
