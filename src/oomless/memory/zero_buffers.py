@@ -19,7 +19,7 @@ The buffers (DeepSpeed 0.19, deepspeed/runtime/zero/):
   never holding more than ``stage3_max_live_parameters`` gathered elements.
 - ``allgather_bucket_size`` (ZeRO-1/2): the updated 16-bit partitions are all-gathered
   with ``all_gather_into_tensor`` straight into the flat 16-bit buffer
-  (runtime/utils.py all_gather_dp_groups), so it adds no buffer; it is read, not counted.
+  (DeepSpeed runtime/utils.py all_gather_dp_groups), so it adds no buffer; it is read, not counted.
 """
 
 from __future__ import annotations
