@@ -87,3 +87,36 @@ ZERO3_PREFETCH_FRACTION = 0.9
 # for the gathered 16-bit parameters and gradients of the layer being computed
 # (deepspeed/runtime/zero/stage3.py, estimate_zero3_model_states_mem_needs).
 ZERO3_LIVE_LAYER_BYTES_PER_PARAM = 4
+
+# --- vLLM past one GPU (memory/vllm_parallel.py) ----------------------------------
+# vllm/model_executor/layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE:
+# the vocabulary of VocabParallelEmbedding / ParallelLMHead is padded to a multiple of it.
+VLLM_VOCAB_PADDING_SIZE = 64
+# vllm/distributed/device_communicators/custom_all_reduce.py CustomAllreduce: used for
+# world sizes 2, 4, 6, 8 (_SUPPORTED_WORLD_SIZES; above 2 only on fully NVLink-connected
+# GPUs); a metadata + scratch buffer of max_size (8192 × 1024 bytes), an IPC buffer of
+# max_size, and 8 MiB of rank_data.
+VLLM_CUSTOM_AR_WORLD_SIZES = (2, 4, 6, 8)
+VLLM_CUSTOM_AR_MAX_SIZE_BYTES = 8192 * 1024
+VLLM_CUSTOM_AR_RANK_DATA_BYTES = 8 * MiB
+
+# --- DeepSpeed ZeRO's buffers (memory/zero_buffers.py) ------------------------------
+# deepspeed/runtime/zero/config.py DeepSpeedZeroConfig field defaults (DeepSpeed 0.19):
+# reduce_bucket_size and allgather_bucket_size pp_int(5e8), stage3_prefetch_bucket_size
+# pp_int(5e7), stage3_max_live_parameters pp_int(1e9), contiguous_gradients True,
+# overlap_comm None (True for stage 3, False otherwise: overlap_comm_valid).
+DEEPSPEED_ZERO_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "contiguous_gradients": True,
+    "overlap_comm": None,
+}
+
+# --- stacks' losses (memory/loss_paths.py) --------------------------------------------
+# torchtune modules/loss/ce_chunked_output_loss.py, cross_entropy_loss.py: num_output_chunks=8
+TORCHTUNE_LOSS_CHUNKS = 8
+# unsloth models/llama.py CausalLM_fast_forward: `if bsz*q_len <= 1024: RETURN_LOGITS = True`
+# (short batches return logits and take the Triton loss instead of cut cross-entropy)
+UNSLOTH_CCE_MIN_TOKENS = 1024

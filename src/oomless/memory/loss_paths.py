@@ -39,10 +39,8 @@ from .stacks import StackEffects, stack_effects
 # _CHUNKED_LOGPROB_CHUNK_SIZE (vocabulary entries per tile)
 TRL_TOKEN_TILE = 4096
 TRL_VOCAB_TILE = 32768
-# unsloth models/llama.py CausalLM_fast_forward: `if bsz*q_len <= 1024: RETURN_LOGITS = True`
-UNSLOTH_CCE_MIN_TOKENS = 1024
-# torchtune modules/loss/ce_chunked_output_loss.py, cross_entropy_loss.py: num_output_chunks
-TORCHTUNE_CHUNKS = 8
+UNSLOTH_CCE_MIN_TOKENS = C.UNSLOTH_CCE_MIN_TOKENS
+TORCHTUNE_CHUNKS = C.TORCHTUNE_LOSS_CHUNKS
 # unsloth_zoo fused_losses/cross_entropy_loss.py: _CE_BYTES_PER_LOGIT, _CE_TARGET_GB_CAP
 UNSLOTH_BYTES_PER_LOGIT = 16
 UNSLOTH_TARGET_BYTES = 4 * GiB

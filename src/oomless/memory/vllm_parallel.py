@@ -27,25 +27,18 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..models.spec import LinearSpec, ModelSpec
-from ..units import MiB
 from . import constants as C
 
-# vllm/model_executor/layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
-VOCAB_PADDING_SIZE = 64
+VOCAB_PADDING_SIZE = C.VLLM_VOCAB_PADDING_SIZE
 # Linears whose output features vLLM splits (ColumnParallelLinear and its merged forms)
 COLUMN_PARALLEL = frozenset({"gate_proj", "up_proj", "gate_up_proj"})
 # Linears whose input features vLLM splits (RowParallelLinear); their bias stays whole
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 # Whole on every rank (ReplicatedLinear)
 REPLICATED = frozenset({"router", "shared_expert_gate"})
-
-# vllm/distributed/device_communicators/custom_all_reduce.py CustomAllreduce: used for
-# world sizes 2, 4, 6, 8 (_SUPPORTED_WORLD_SIZES; above 2 only when the GPUs are fully
-# NVLink-connected); allocates a metadata + scratch buffer of max_size (8192 × 1024
-# bytes), an IPC buffer of max_size, and 8 MiB of rank_data.
-CUSTOM_AR_WORLD_SIZES = (2, 4, 6, 8)
-CUSTOM_AR_MAX_SIZE_BYTES = 8192 * 1024
-CUSTOM_AR_RANK_DATA_BYTES = 8 * MiB
+CUSTOM_AR_WORLD_SIZES = C.VLLM_CUSTOM_AR_WORLD_SIZES
+CUSTOM_AR_MAX_SIZE_BYTES = C.VLLM_CUSTOM_AR_MAX_SIZE_BYTES
+CUSTOM_AR_RANK_DATA_BYTES = C.VLLM_CUSTOM_AR_RANK_DATA_BYTES
 CUSTOM_AR_BYTES = 2 * CUSTOM_AR_MAX_SIZE_BYTES + CUSTOM_AR_RANK_DATA_BYTES
 
 

@@ -27,15 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# deepspeed/runtime/zero/config.py DeepSpeedZeroConfig field defaults (DeepSpeed 0.19)
-DEEPSPEED_DEFAULTS: dict[str, Any] = {
-    "reduce_bucket_size": 500_000_000,  # pp_int(5e8)
-    "allgather_bucket_size": 500_000_000,  # pp_int(5e8)
-    "stage3_prefetch_bucket_size": 50_000_000,  # pp_int(5e7)
-    "stage3_max_live_parameters": 1_000_000_000,  # pp_int(1e9)
-    "contiguous_gradients": True,
-    "overlap_comm": None,  # None: True for stage 3, False otherwise (overlap_comm_valid)
-}
+from . import constants as C
+
+DEEPSPEED_DEFAULTS: dict[str, Any] = C.DEEPSPEED_ZERO_DEFAULTS
 # transformers' "auto" for the bucket sizes (trainer_config_finalize)
 HF_AUTO_PREFETCH_FRACTION = 0.9
 ZERO_KEYS = tuple(DEEPSPEED_DEFAULTS)
