@@ -7,6 +7,7 @@ another browser shows the same view. Screenshots are saved under
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from pathlib import Path
@@ -24,7 +25,7 @@ from test_ui_browser import (
     settled,
     wait_for,
 )
-from test_ui_flow_service import OOM_RUN
+from test_ui_flow_service import OOM_RUN, TP2_ARGV, cli_json
 
 from oomless.ui import planning
 
@@ -155,7 +156,7 @@ def test_the_inference_tab_shows_the_clis_vllm_budget(browsers, server_url, work
     request = {"model": "qwen2.5-7b-instruct", "gpu": "rtx-a6000", "gpus": 1,
                "engine": "vllm", "seq_len": 2048, "max_new_tokens": 512, "max_num_seqs": 256,
                "kv_cache_dtype": "auto"}
-    expected = planning.inference_view(workspace, request)
+    expected = json.loads(json.dumps(planning.inference_view(workspace, request)))  # as sent
     shown = driver.execute_script("return window.oomlessUI.lastInference")
     assert shown["budget"] == expected["budget"]
     assert shown["engine_args"] == expected["engine_args"]
@@ -165,6 +166,48 @@ def test_the_inference_tab_shows_the_clis_vllm_budget(browsers, server_url, work
         expected["engine_args_text"].strip()
     assert shlex.split(shown["command"])[:3] == ["oomless", "estimate", "--inference"]
     shot(driver, tmp_path, "inference-vllm", min_colours=60, min_coloured_share=0.003)
+
+
+def test_a_32b_model_served_with_tensor_parallel_2_matches_the_cli_and_its_link(
+        browsers, server_url, capsys, tmp_path):
+    """Issue 21's serving case: qwen2.5-32b on two L40S, vLLM tensor parallel 2, typed
+    into the Inference tab; the numbers are the CLI's JSON, and the address reopens it."""
+    first, second = browsers
+    open_page(first, server_url)
+    type_into(first, "model", "qwen2.5-32b")
+    first.find_element("id", "model").send_keys("\t")  # "change": the model is read
+    set_select(first, "gpu", "l40s")
+    type_into(first, "gpus", "2")
+    settled(first)
+    first.find_element("css selector", '#tabs button[data-tab="inference"]').click()
+    type_into(first, "inf-tp", "2")
+    type_into(first, "inf-max-model-len", "10000")
+    type_into(first, "inf-utilization", "0.9")
+    before = count(first, "inf")
+    first.find_element("id", "inf-run").click()
+    done(first, "inf", before)
+    shown = first.execute_script("return window.oomlessUI.lastInference")
+    cli = cli_json(capsys, *TP2_ARGV)
+    assert shown["budget"] == {k: v for k, v in cli.items()
+                               if k not in ("engine", "engine_args", "suggested_parallel")}
+    assert shown["engine_args"] == cli["engine_args"]
+    assert cli_json(capsys, *shlex.split(shown["command"])[1:]) == cli  # the copied command
+    numbers = first.find_element("id", "inf-numbers").text
+    assert f"{cli['num_blocks']:,}" in numbers
+    assert "TP 2 × PP 1 × DP 1" in first.find_element("id", "inf-parallel").text
+    table = first.find_element("id", "inf-table").text
+    assert "this GPU's shard" in table and shown["rows"][0][2] in table
+    address = first.current_url
+    assert "inf-tp=2" in address and "gpus=2" in address and "tab=inference" in address
+
+    open_page(second, address)  # a colleague's browser: the link alone
+    wait_for(lambda: second.execute_script("return window.oomlessUI.lastInference"),
+             what="the inference view from the link")
+    again = second.execute_script("return window.oomlessUI.lastInference")
+    assert again["budget"] == shown["budget"] and again["command"] == shown["command"]
+    assert second.find_element("id", "inf-tp").get_attribute("value") == "2"
+    shot(second, tmp_path, "inference-vllm-tp2-from-a-link", min_colours=60,
+         min_coloured_share=0.003)
 
 
 def test_a_copied_address_shows_the_same_view_in_another_browser(browsers, server_url,

@@ -99,6 +99,53 @@ def test_the_inference_tab_says_what_estimate_inference_says(workspace, capsys, 
     assert (view["budget"] if engine == "vllm" else view["estimate"])[key] == cli[key]
 
 
+# Issue 21/22's serving case: Qwen2.5-32B on two L40S, vLLM with tensor parallel 2 (the
+# vLLM start-up log of issue 22: 30.71 GiB weights per GPU, 7.71 GiB KV cache).
+TP2_ARGV = ["estimate", "qwen2.5-32b", "--inference", "--engine", "vllm", "--gpu", "l40sx2",
+            "--tensor-parallel-size", "2", "--max-model-len", "10000",
+            "--gpu-memory-utilization", "0.9"]
+TP2_REQUEST = {"model": "qwen2.5-32b", "gpu": "l40s", "gpus": 2, "engine": "vllm",
+               "tensor_parallel_size": "2", "max_model_len": "10000",
+               "gpu_memory_utilization": "0.9"}
+
+
+@pytest.mark.parametrize("request_, argv", [
+    (TP2_REQUEST, TP2_ARGV),
+    ({"model": "qwen2.5-7b-instruct", "gpu": "rtx-a6000", "gpus": 1, "engine": "vllm"},
+     ["estimate", "qwen2.5-7b-instruct", "--inference", "--engine", "vllm",
+      "--gpu", "rtx-a6000"]),
+    ({**TP2_REQUEST, "gpus": 4, "tensor_parallel_size": "", "max_model_len": "32768"},
+     [*TP2_ARGV[:6], "l40sx4", "--max-model-len", "32768",
+      "--gpu-memory-utilization", "0.9"]),
+])
+def test_the_inference_tab_gives_the_clis_vllm_numbers_past_one_gpu(workspace, capsys,
+                                                                    request_, argv):
+    view = json.loads(json.dumps(planning.inference_view(workspace, request_)))  # as sent
+    cli = cli_json(capsys, *argv)
+    budget = {k: v for k, v in cli.items() if k not in ("engine", "engine_args",
+                                                         "suggested_parallel")}
+    assert view["budget"] == budget
+    assert view["engine_args"] == cli["engine_args"]
+    assert view["suggested_parallel"] == cli["suggested_parallel"]
+    assert [row[1] for row in view["rows"]] == [cli[k] for k in (
+        "weights_bytes", "profile_peak_bytes", "non_torch_bytes", "kv_cache_bytes")]
+    printed = cli_json(capsys, *shlex.split(view["command"])[1:])  # the copied command
+    assert printed == cli
+    tp = cli["tensor_parallel_size"]
+    assert ("--tensor-parallel-size=2" in view["command"]) == (tp == 2)
+    assert bool(view["parallel"]) == (tp * cli["pipeline_parallel_size"] > 1)
+    if cli["suggested_parallel"]:
+        assert view["hint_text"].endswith(" ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in cli["suggested_parallel"].items()))
+
+
+def test_parallel_sizes_past_the_gpu_count_are_refused_as_the_cli_refuses(workspace):
+    from oomless.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tensor × pipeline × data parallel sizes = 4 GPUs"):
+        planning.inference_view(workspace, {**TP2_REQUEST, "tensor_parallel_size": "4"})
+
+
 def test_every_result_carries_the_command_that_gives_it(workspace, capsys):
     estimate = service.estimate_view(workspace, {**OOM_RUN, "seq_len": 512, "batch_size": 1})
     printed = cli_json(capsys, *shlex.split(estimate["command"])[1:])

@@ -165,13 +165,14 @@ def plan_files(ws: Workspace, cfg: RunConfig, spec, cluster) -> dict[str, str]:
 
 # ---- inference ---------------------------------------------------------------
 def inference_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
-    """`oomless estimate --inference`: HF generate's memory, or vLLM's budget (KV blocks,
-    the most sequences held, the smallest utilization) and the engine arguments.
-    The same library calls as cli/estimate.py's inference path, with its defaults."""
+    """`oomless estimate --inference`: HF generate's memory, or vLLM's per-GPU budget (KV
+    blocks, the most sequences held, the smallest utilization; tensor, pipeline and data
+    parallel sizes as vLLM takes them) and the engine arguments. The same library calls
+    as cli/estimate.py's inference path (cli.estimate.vllm_estimate), with its defaults."""
     from ..api import cluster_for
     from ..cli._options import run_config_from_args
+    from ..cli.estimate import vllm_estimate
     from ..memory import estimate_generate
-    from ..memory.inference import EngineRequest, vllm_engine_args
     from ..models.catalog import resolve_model
 
     with ws.clean_errors():
@@ -187,11 +188,6 @@ def inference_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
         if cluster is None:
             raise ConfigError("--inference --engine vllm needs --gpu (vLLM's budget is a "
                               "fraction of the card's memory); pick a GPU")
-        adapter = cfg.method != "full" and "method" in cfg.model_fields_set
-        req = EngineRequest(
-            model=cfg.model, max_model_len=args.max_model_len or cfg.seq_len + new_tokens,
-            max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-            lora_rank=cfg.lora.r if adapter else 0, kv_cache_dtype=args.kv_cache_dtype,
-            trust_remote_code=cfg.training.trust_remote_code)
-        engine, budget = vllm_engine_args(spec, cluster.gpu, req)
-    return views.vllm_payload(spec.name, cluster.gpu.display_name, budget, engine, command)
+        engine, budget, hint = vllm_estimate(args, cfg, spec, cluster)
+    return views.vllm_payload(spec.name, cluster.gpu.display_name, budget, engine, command,
+                              hint)

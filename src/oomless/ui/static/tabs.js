@@ -68,13 +68,15 @@ async function runPlan(signal) {
 
 /* ---- inference --------------------------------------------------------------- */
 function inferenceRequest() {
-  const req = { ...modelRequest(), gpus: 1, engine: $("inf-engine").value,
+  const req = { ...modelRequest(), engine: $("inf-engine").value,
     seq_len: $("inf-prompt").value || null, max_new_tokens: $("inf-new").value || null };
   if (req.engine === "vllm") {
     Object.assign(req, { max_model_len: $("inf-max-model-len").value || null,
       max_num_seqs: $("inf-max-num-seqs").value || null,
       gpu_memory_utilization: $("inf-utilization").value || null,
-      kv_cache_dtype: $("inf-kv-dtype").value });
+      kv_cache_dtype: $("inf-kv-dtype").value, tensor_parallel_size: $("inf-tp").value || null,
+      pipeline_parallel_size: $("inf-pp").value || null,
+      data_parallel_size: $("inf-dp").value || null });
   } else req.batch_size = $("inf-batch").value || null;
   return req;
 }
@@ -92,6 +94,9 @@ async function runInference(signal) {
   const badge = { fits: "FITS", tight: "QUEUES", "out-of-memory": "OUT OF MEMORY" }[r.state];
   const out = [el("div", { class: `verdict ${r.state || ""}`, id: "inf-verdict" },
     el("span", { class: "badge" }, badge || "NO GPU"), el("span", {}, r.text))];
+  if (r.parallel) out.push(el("div", { class: "kept", id: "inf-parallel" },
+    `per GPU (the fullest rank): ${r.parallel} on ${r.gpu}`));
+  if (r.hint_text) out.push(el("div", { class: "hint", id: "inf-hint" }, r.hint_text));
   const rows = r.rows.map(([name, _b, text]) => el("tr", {}, el("td", {}, name),
     el("td", {}, text)));
   out.push(el("table", { class: "grid", id: "inf-table" }, el("tbody", {}, rows)));
