@@ -120,6 +120,31 @@ def test_oom_in_estimate_then_plan_keeps_the_run_and_reopens_it(browsers, server
     shot(driver, tmp_path, "plan-opened-in-estimate")
 
 
+def test_a_plan_that_changes_the_method_shows_the_planners_reason(browsers, server_url,
+                                                                   workspace, tmp_path):
+    driver = browsers[0]
+    open_page(driver, server_url)
+    set_select(driver, "method", "full")  # full fine-tuning of 7B fits no 4090 plan
+    type_into(driver, "seq_len", "1024")
+    type_into(driver, "batch_size", str(OOM_RUN["batch_size"]))
+    settled(driver)
+    run = {**OOM_RUN, "method": "full", "seq_len": 1024}
+    expected = planning.plan_view(workspace, {"knobs": run, "method": "keep"})
+    driver.find_element("css selector", '#tabs button[data-tab="plan"]').click()
+    before = count(driver, "plan")
+    driver.find_element("id", "plan-run").click()
+    done(driver, "plan", before)
+    assert "nothing fits with full" in driver.find_element("id", "plan-method-note").text
+    cards = driver.find_elements("css selector", ".card.plan")
+    assert len(cards) == len(expected["plans"]) > 0
+    for card, plan in zip(cards, expected["plans"], strict=True):
+        why = card.find_element("css selector", ".why").text
+        assert why == "why (the planner): " + "; ".join(plan["reasons"])
+        assert "no full configuration fits these GPUs" in why
+    shot(driver, tmp_path, "plan-method-changed-why", min_colours=60,
+         min_coloured_share=0.003)
+
+
 def test_an_error_in_plan_clears_its_old_result(browsers, server_url):
     driver = browsers[0]
     open_page(driver, server_url)

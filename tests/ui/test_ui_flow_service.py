@@ -5,6 +5,7 @@ each against the library and the command line."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 import pytest
@@ -57,13 +58,43 @@ def test_the_plan_command_on_the_estimates_yaml_is_the_same_search(workspace, tm
     assert all(p["config"]["stage"] == "dpo" for p in printed["plans"])
 
 
-def test_when_the_method_fits_nowhere_the_next_lighter_one_is_planned_and_said(workspace):
+def test_when_the_method_fits_nowhere_the_planner_chooses_and_each_plan_says_why(
+        workspace, tmp_path, capsys):
     run = {**OOM_RUN, "method": "full", "seq_len": 1024}
     view = planning.plan_view(workspace, {"knobs": run, "method": "keep"})
     full_only = planning.plan_view(workspace, {"knobs": run, "method": "full"})
     assert not full_only["plans"]  # full fine-tuning of 7B does not fit a 4090
-    assert view["plans"] and view["kept"]["method"] in ("lora", "qlora")
+    assert view["plans"] and view["kept"]["method"] is None
     assert "nothing fits with full" in view["method_note"]
+    for plan in view["plans"]:
+        assert plan["knobs"]["method"] in ("lora", "qlora")
+        # the planner's reason (planner.plan.method_reasons), beside the change itself
+        assert [r.split(": ", 1)[0] for r in plan["reasons"]] == \
+            [c for c in plan["changes"] if c.startswith("method full → ")]
+        # the nearest full miss in words: bytes over, or the host RAM its offload lacks
+        assert re.fullmatch(r"method full → \w+: no full configuration fits these GPUs, the "
+                            r"nearest (\d[\d.]* \w+ over|fits the GPU but its offload needs "
+                            r"\d[\d.]* \w+ more host RAM)", plan["reasons"][0])
+    # the search's command reproduces it: `--method auto` frees an oomless.yaml's method
+    (tmp_path / "oomless.yaml").write_text(view["base_yaml"])
+    words = shlex.split(view["command"])
+    assert "--method=auto" in words
+    words[words.index("oomless.yaml")] = str(tmp_path / "oomless.yaml")
+    printed = cli_json(capsys, *words[1:])
+    assert [p["device_peak_bytes"] for p in printed["plans"]] == \
+        [p["device_peak_bytes"] for p in view["plans"]]
+    assert [c.get("why") for c in printed["plans"][0]["changes"] if c["key"] == "method"] \
+        == [view["plans"][0]["reasons"][0].split(": ", 1)[1]]
+
+
+def test_a_yaml_keeps_its_method_unless_the_plan_command_names_one(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text("model: qwen2.5-7b-instruct\nmethod: full\n"
+                                       "seq_len: 1024\n")
+    kept = cli_json(capsys, "plan", str(tmp_path / "run.yaml"), "--gpu", "rtx-4090")
+    chosen = cli_json(capsys, "plan", str(tmp_path / "run.yaml"), "--gpu", "rtx-4090",
+                      "--method", "auto")
+    assert not kept["plans"] and chosen["plans"]
+    assert {p["config"]["method"] for p in chosen["plans"]} <= {"lora", "qlora"}
 
 
 def test_the_knob_table_lists_what_gets_the_run_to_fit_first(workspace):

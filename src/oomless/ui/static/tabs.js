@@ -12,6 +12,8 @@ function planCard(p, i) {
     el("div", { class: "changed" }, p.changes.length
       ? `changed from your Estimate so that it fits: ${p.changes.join("; ")}`
       : "your Estimate's configuration as it is"),
+    p.reasons.length ? el("div", { class: "why" }, `why (the planner): ${p.reasons.join("; ")}`)
+      : null,
     p.tradeoffs.length ? el("div", { class: "hint" }, `trade-offs: ${p.tradeoffs.join("; ")}`)
       : null,
     el("div", { class: "plan-files" }, files,
@@ -45,7 +47,8 @@ async function runPlan(signal) {
     `${r.searched.toLocaleString()} configurations in ${r.elapsed_s.toFixed(2)} s, ` +
     `${r.fitting.toLocaleString()} fit`),
   el("div", { class: "kept", id: "plan-kept" }, `kept from your Estimate: sequence ${k.seq_len}` +
-    `, effective batch ${k.effective_batch}, method ${k.method}, stage ${k.stage}, ` +
+    `, effective batch ${k.effective_batch}${k.method ? `, method ${k.method}` : ""}` +
+    `, stage ${k.stage}, ` +
     `stack ${k.stack}`)];
   if (r.method_note) out.push(el("div", { class: "verdict tight", id: "plan-method-note" },
     el("span", { class: "badge" }, "METHOD CHANGED"), el("span", {}, r.method_note)));
