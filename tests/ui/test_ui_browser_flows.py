@@ -235,6 +235,37 @@ def test_a_32b_model_served_with_tensor_parallel_2_matches_the_cli_and_its_link(
          min_coloured_share=0.003)
 
 
+def test_a_tensor_parallel_fix_in_diagnose_opens_the_inference_tab(browsers, server_url,
+                                                                    workspace, tmp_path):
+    from ui_helpers import FIXTURES
+
+    driver = browsers[0]
+    open_page(driver, server_url)
+    set_select(driver, "gpu", "l4")
+    settled(driver)
+    driver.find_element("css selector", '#tabs button[data-tab="diagnose"]').click()
+    log = (FIXTURES / "oom_logs" / "vllm_no_kv_cache.log").read_text()
+    driver.execute_script("document.getElementById('diag-log').value = arguments[0]", log)
+    before = count(driver, "diag")
+    driver.find_element("id", "diag-run").click()
+    done(driver, "diag", before)
+    fix = next(li for li in driver.find_elements("css selector", "#diag-result li")
+               if "tensor_parallel_size 2" in li.text)
+    before = count(driver, "inf")
+    fix.find_element("css selector", "button.open-inference").click()
+    done(driver, "inf", before)
+    shown = driver.execute_script("return window.oomlessUI.lastInference")
+    expected = json.loads(json.dumps(planning.inference_view(workspace, {
+        "model": "qwen2.5-7b-instruct", "gpu": "l4", "gpus": 2, "engine": "vllm",
+        "tensor_parallel_size": 2, "seq_len": 2048, "max_new_tokens": 512,
+        "max_num_seqs": 256, "kv_cache_dtype": "auto"})))
+    assert shown["budget"] == expected["budget"] and shown["command"] == expected["command"]
+    assert driver.find_element("id", "gpus").get_attribute("value") == "2"
+    assert "inf-tp=2" in driver.current_url and "tab=inference" in driver.current_url
+    shot(driver, tmp_path, "inference-from-a-diagnose-fix", min_colours=60,
+         min_coloured_share=0.003)
+
+
 def test_a_copied_address_shows_the_same_view_in_another_browser(browsers, server_url,
                                                                  tmp_path):
     first, second = browsers

@@ -177,6 +177,25 @@ def test_parallel_sizes_past_the_gpu_count_are_refused_as_the_cli_refuses(worksp
         planning.inference_view(workspace, {**TP2_REQUEST, "tensor_parallel_size": "4"})
 
 
+def test_a_serving_fix_opens_the_inference_tab_with_vllms_setting(workspace, capsys):
+    from ui_helpers import FIXTURES
+
+    log = (FIXTURES / "oom_logs" / "vllm_no_kv_cache.log").read_text()
+    view = service.diagnose_view(workspace, {"log": log})
+    fixes = [f for e in view["events"] for f in e["fixes"]]
+    assert {"tensor_parallel_size": 2} in [f["inference"] for f in fixes]
+    assert all(f["inference"] is None for f in fixes if "tensor_parallel_size" not in f["text"]
+               and "gpu_memory_utilization" not in f["text"] and "max_model_len" not in f["text"])
+    # what the tab then shows is `estimate --inference --tensor-parallel-size 2`'s answer
+    opened = json.loads(json.dumps(planning.inference_view(workspace, {
+        "model": "qwen2.5-7b-instruct", "gpu": "l4", "gpus": 2, "engine": "vllm",
+        "tensor_parallel_size": 2})))
+    cli = cli_json(capsys, "estimate", "qwen2.5-7b-instruct", "--inference", "--engine", "vllm",
+                   "--gpu", "l4x2", "--tensor-parallel-size", "2")
+    assert opened["budget"]["num_blocks"] == cli["num_blocks"]
+    assert opened["budget"]["tensor_parallel_size"] == 2
+
+
 def test_every_result_carries_the_command_that_gives_it(workspace, capsys):
     estimate = service.estimate_view(workspace, {**OOM_RUN, "seq_len": 512, "batch_size": 1})
     printed = cli_json(capsys, *shlex.split(estimate["command"])[1:])

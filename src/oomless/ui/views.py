@@ -192,10 +192,20 @@ def diagnosis_payload(diagnosis: dict[str, Any], headings: list[tuple[str, str]]
             "causes": [{"title": c["title"], "evidence": c["evidence"]}
                        for c in finding["causes"]],
             "fixes": [{"text": f["summary"], "keeps_training": f["keeps_training"],
-                       "fits": f["fits"]} for f in finding["fixes"]],
+                       "fits": f["fits"], "inference": _inference_fields(f)}
+                      for f in finding["fixes"]],
         })
     return {"found": diagnosis["found"], "summary": diagnosis["summary"], "events": events,
             "notes": diagnosis["notes"], "gpu": diagnosis["gpu"]}
+
+
+def _inference_fields(fix: dict[str, Any]) -> dict[str, Any] | None:
+    """A serving fix's engine settings that the Inference tab takes (its fields are
+    commands.INFERENCE_OPTIONS, vLLM's own names): the tab opens with them; else None."""
+    from .commands import INFERENCE_OPTIONS
+
+    fields = {k: v for k, v in fix["changes"].items() if k in INFERENCE_OPTIONS}
+    return fields if fix["domain"] == "serving" and fields else None
 
 
 def page_knobs(config: dict[str, Any]) -> dict[str, Any]:

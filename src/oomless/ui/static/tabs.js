@@ -193,11 +193,36 @@ async function runDiagnose(signal) {
         : el("li", {}, "Cause: not recognised from this message")),
       e.fixes.length ? el("b", {}, "Fixes, those that keep the training first:") : null,
       el("ol", {}, e.fixes.map((f) => el("li", {}, f.text,
-        f.keeps_training ? "" : el("span", { class: "hint" }, "  (changes the training)"))))));
+        f.keeps_training ? "" : el("span", { class: "hint" }, "  (changes the training)"),
+        f.inference ? el("button", { class: "open-inference",
+          onclick: () => openInInference(f.inference) }, "open in Inference") : null)))));
   }
   out.push(...r.notes.map((n) => el("div", { class: "hint" }, `note: ${n}`)));
   out.push(commandBox(r.command));
   $("diag-result").replaceChildren(...out);
+}
+
+/* A serving fix's engine settings (vLLM's names) into the Inference tab, run there;
+   the GPU count grows to the GPUs the parallel sizes take. */
+const INFERENCE_FIELDS = { tensor_parallel_size: "inf-tp", pipeline_parallel_size: "inf-pp",
+  data_parallel_size: "inf-dp", max_model_len: "inf-max-model-len",
+  max_num_seqs: "inf-max-num-seqs", gpu_memory_utilization: "inf-utilization",
+  kv_cache_dtype: "inf-kv-dtype" };
+
+function openInInference(fields) {
+  $("inf-engine").value = "vllm";
+  showEngineFields();
+  for (const [key, value] of Object.entries(fields)) {
+    if (INFERENCE_FIELDS[key]) $(INFERENCE_FIELDS[key]).value = value;
+  }
+  const size = (id) => Number($(id).value) || 1;
+  const gpus = size("inf-tp") * size("inf-pp") * size("inf-dp");
+  if (gpus > (Number($("gpus").value) || 1)) {
+    $("gpus").value = gpus;
+    $("gpus").dispatchEvent(new Event("input", { bubbles: true }));
+  }
+  switchTab("inference");
+  runTask("inf", runInference, { clear: CLEAR.inf });
 }
 
 /* ---- runs -------------------------------------------------------------------- */
