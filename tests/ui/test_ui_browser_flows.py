@@ -266,6 +266,31 @@ def test_a_tensor_parallel_fix_in_diagnose_opens_the_inference_tab(browsers, ser
          min_coloured_share=0.003)
 
 
+def test_the_suggested_parallel_sizes_are_one_click_away(browsers, server_url, capsys):
+    """qwen2.5-32b does not fit one L40S: with four named, the CLI suggests TP 2 × DP 2;
+    "use these" sets them and the page then shows the CLI's budget for them."""
+    driver = browsers[0]
+    open_page(driver, server_url + "?model=qwen2.5-32b&gpu=l40s&gpus=4&tab=inference"
+              "&inf-max-model-len=32768&inf-utilization=0.9")
+    wait_for(lambda: driver.execute_script("return window.oomlessUI.lastInference"),
+             what="the inference view from the address")
+    first = driver.execute_script("return window.oomlessUI.lastInference")
+    argv = ["estimate", "qwen2.5-32b", "--inference", "--engine", "vllm", "--gpu", "l40sx4",
+            "--max-model-len", "32768", "--gpu-memory-utilization", "0.9"]
+    cli = cli_json(capsys, *argv)
+    assert first["state"] == "out-of-memory" and not cli["fits"]
+    assert first["suggested_parallel"] == cli["suggested_parallel"]
+    before = count(driver, "inf")
+    driver.find_element("css selector", "#inf-hint button").click()
+    done(driver, "inf", before)
+    after = driver.execute_script("return window.oomlessUI.lastInference")
+    flags = [w for k, v in cli["suggested_parallel"].items()
+             for w in ("--" + k.replace("_", "-"), str(v))]
+    fitted = cli_json(capsys, *argv, *flags)
+    assert fitted["fits"] and after["budget"]["num_blocks"] == fitted["num_blocks"]
+    assert after["engine_args"] == fitted["engine_args"]
+
+
 def test_a_copied_address_shows_the_same_view_in_another_browser(browsers, server_url,
                                                                  tmp_path):
     first, second = browsers

@@ -99,7 +99,9 @@ async function runInference(signal) {
     el("span", { class: "badge" }, badge || "NO GPU"), el("span", {}, r.text))];
   if (r.parallel) out.push(el("div", { class: "kept", id: "inf-parallel" },
     `per GPU (the fullest rank): ${r.parallel} on ${r.gpu}`));
-  if (r.hint_text) out.push(el("div", { class: "hint", id: "inf-hint" }, r.hint_text));
+  if (r.hint_text) out.push(el("div", { class: "hint", id: "inf-hint" }, r.hint_text,
+    el("button", { class: "copy", onclick: () => openInInference(r.suggested_parallel) },
+      "use these")));
   const rows = r.rows.map(([name, _b, text]) => el("tr", {}, el("td", {}, name),
     el("td", {}, text)));
   out.push(el("table", { class: "grid", id: "inf-table" }, el("tbody", {}, rows)));
