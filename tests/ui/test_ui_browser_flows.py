@@ -7,6 +7,7 @@ another browser shows the same view. Screenshots are saved under
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from pathlib import Path
@@ -24,7 +25,7 @@ from test_ui_browser import (
     settled,
     wait_for,
 )
-from test_ui_flow_service import OOM_RUN
+from test_ui_flow_service import OOM_RUN, TP2_ARGV, cli_json
 
 from oomless.ui import planning
 
@@ -119,6 +120,31 @@ def test_oom_in_estimate_then_plan_keeps_the_run_and_reopens_it(browsers, server
     shot(driver, tmp_path, "plan-opened-in-estimate")
 
 
+def test_a_plan_that_changes_the_method_shows_the_planners_reason(browsers, server_url,
+                                                                   workspace, tmp_path):
+    driver = browsers[0]
+    open_page(driver, server_url)
+    set_select(driver, "method", "full")  # full fine-tuning of 7B fits no 4090 plan
+    type_into(driver, "seq_len", "1024")
+    type_into(driver, "batch_size", str(OOM_RUN["batch_size"]))
+    settled(driver)
+    run = {**OOM_RUN, "method": "full", "seq_len": 1024}
+    expected = planning.plan_view(workspace, {"knobs": run, "method": "keep"})
+    driver.find_element("css selector", '#tabs button[data-tab="plan"]').click()
+    before = count(driver, "plan")
+    driver.find_element("id", "plan-run").click()
+    done(driver, "plan", before)
+    assert "nothing fits with full" in driver.find_element("id", "plan-method-note").text
+    cards = driver.find_elements("css selector", ".card.plan")
+    assert len(cards) == len(expected["plans"]) > 0
+    for card, plan in zip(cards, expected["plans"], strict=True):
+        why = card.find_element("css selector", ".why").text
+        assert why == "why (the planner): " + "; ".join(plan["reasons"])
+        assert "no full configuration fits these GPUs" in why
+    shot(driver, tmp_path, "plan-method-changed-why", min_colours=60,
+         min_coloured_share=0.003)
+
+
 def test_an_error_in_plan_clears_its_old_result(browsers, server_url):
     driver = browsers[0]
     open_page(driver, server_url)
@@ -155,7 +181,7 @@ def test_the_inference_tab_shows_the_clis_vllm_budget(browsers, server_url, work
     request = {"model": "qwen2.5-7b-instruct", "gpu": "rtx-a6000", "gpus": 1,
                "engine": "vllm", "seq_len": 2048, "max_new_tokens": 512, "max_num_seqs": 256,
                "kv_cache_dtype": "auto"}
-    expected = planning.inference_view(workspace, request)
+    expected = json.loads(json.dumps(planning.inference_view(workspace, request)))  # as sent
     shown = driver.execute_script("return window.oomlessUI.lastInference")
     assert shown["budget"] == expected["budget"]
     assert shown["engine_args"] == expected["engine_args"]
@@ -165,6 +191,104 @@ def test_the_inference_tab_shows_the_clis_vllm_budget(browsers, server_url, work
         expected["engine_args_text"].strip()
     assert shlex.split(shown["command"])[:3] == ["oomless", "estimate", "--inference"]
     shot(driver, tmp_path, "inference-vllm", min_colours=60, min_coloured_share=0.003)
+
+
+def test_a_32b_model_served_with_tensor_parallel_2_matches_the_cli_and_its_link(
+        browsers, server_url, capsys, tmp_path):
+    """Issue 21's serving case: qwen2.5-32b on two L40S, vLLM tensor parallel 2, typed
+    into the Inference tab; the numbers are the CLI's JSON, and the address reopens it."""
+    first, second = browsers
+    open_page(first, server_url)
+    type_into(first, "model", "qwen2.5-32b")
+    first.find_element("id", "model").send_keys("\t")  # "change": the model is read
+    set_select(first, "gpu", "l40s")
+    type_into(first, "gpus", "2")
+    settled(first)
+    first.find_element("css selector", '#tabs button[data-tab="inference"]').click()
+    type_into(first, "inf-tp", "2")
+    type_into(first, "inf-max-model-len", "10000")
+    type_into(first, "inf-utilization", "0.9")
+    before = count(first, "inf")
+    first.find_element("id", "inf-run").click()
+    done(first, "inf", before)
+    shown = first.execute_script("return window.oomlessUI.lastInference")
+    cli = cli_json(capsys, *TP2_ARGV)
+    assert shown["budget"] == {k: v for k, v in cli.items()
+                               if k not in ("engine", "engine_args", "suggested_parallel")}
+    assert shown["engine_args"] == cli["engine_args"]
+    assert cli_json(capsys, *shlex.split(shown["command"])[1:]) == cli  # the copied command
+    numbers = first.find_element("id", "inf-numbers").text
+    assert f"{cli['num_blocks']:,}" in numbers
+    assert "TP 2 × PP 1 × DP 1" in first.find_element("id", "inf-parallel").text
+    table = first.find_element("id", "inf-table").text
+    assert "this GPU's shard" in table and shown["rows"][0][2] in table
+    address = first.current_url
+    assert "inf-tp=2" in address and "gpus=2" in address and "tab=inference" in address
+
+    open_page(second, address)  # a colleague's browser: the link alone
+    wait_for(lambda: second.execute_script("return window.oomlessUI.lastInference"),
+             what="the inference view from the link")
+    again = second.execute_script("return window.oomlessUI.lastInference")
+    assert again["budget"] == shown["budget"] and again["command"] == shown["command"]
+    assert second.find_element("id", "inf-tp").get_attribute("value") == "2"
+    shot(second, tmp_path, "inference-vllm-tp2-from-a-link", min_colours=60,
+         min_coloured_share=0.003)
+
+
+def test_a_tensor_parallel_fix_in_diagnose_opens_the_inference_tab(browsers, server_url,
+                                                                    workspace, tmp_path):
+    from ui_helpers import FIXTURES
+
+    driver = browsers[0]
+    open_page(driver, server_url)
+    set_select(driver, "gpu", "l4")
+    settled(driver)
+    driver.find_element("css selector", '#tabs button[data-tab="diagnose"]').click()
+    log = (FIXTURES / "oom_logs" / "vllm_no_kv_cache.log").read_text()
+    driver.execute_script("document.getElementById('diag-log').value = arguments[0]", log)
+    before = count(driver, "diag")
+    driver.find_element("id", "diag-run").click()
+    done(driver, "diag", before)
+    fix = next(li for li in driver.find_elements("css selector", "#diag-result li")
+               if "tensor_parallel_size 2" in li.text)
+    before = count(driver, "inf")
+    fix.find_element("css selector", "button.open-inference").click()
+    done(driver, "inf", before)
+    shown = driver.execute_script("return window.oomlessUI.lastInference")
+    expected = json.loads(json.dumps(planning.inference_view(workspace, {
+        "model": "qwen2.5-7b-instruct", "gpu": "l4", "gpus": 2, "engine": "vllm",
+        "tensor_parallel_size": 2, "seq_len": 2048, "max_new_tokens": 512,
+        "max_num_seqs": 256, "kv_cache_dtype": "auto"})))
+    assert shown["budget"] == expected["budget"] and shown["command"] == expected["command"]
+    assert driver.find_element("id", "gpus").get_attribute("value") == "2"
+    assert "inf-tp=2" in driver.current_url and "tab=inference" in driver.current_url
+    shot(driver, tmp_path, "inference-from-a-diagnose-fix", min_colours=60,
+         min_coloured_share=0.003)
+
+
+def test_the_suggested_parallel_sizes_are_one_click_away(browsers, server_url, capsys):
+    """qwen2.5-32b does not fit one L40S: with four named, the CLI suggests TP 2 × DP 2;
+    "use these" sets them and the page then shows the CLI's budget for them."""
+    driver = browsers[0]
+    open_page(driver, server_url + "?model=qwen2.5-32b&gpu=l40s&gpus=4&tab=inference"
+              "&inf-max-model-len=32768&inf-utilization=0.9")
+    wait_for(lambda: driver.execute_script("return window.oomlessUI.lastInference"),
+             what="the inference view from the address")
+    first = driver.execute_script("return window.oomlessUI.lastInference")
+    argv = ["estimate", "qwen2.5-32b", "--inference", "--engine", "vllm", "--gpu", "l40sx4",
+            "--max-model-len", "32768", "--gpu-memory-utilization", "0.9"]
+    cli = cli_json(capsys, *argv)
+    assert first["state"] == "out-of-memory" and not cli["fits"]
+    assert first["suggested_parallel"] == cli["suggested_parallel"]
+    before = count(driver, "inf")
+    driver.find_element("css selector", "#inf-hint button").click()
+    done(driver, "inf", before)
+    after = driver.execute_script("return window.oomlessUI.lastInference")
+    flags = [w for k, v in cli["suggested_parallel"].items()
+             for w in ("--" + k.replace("_", "-"), str(v))]
+    fitted = cli_json(capsys, *argv, *flags)
+    assert fitted["fits"] and after["budget"]["num_blocks"] == fitted["num_blocks"]
+    assert after["engine_args"] == fitted["engine_args"]
 
 
 def test_a_copied_address_shows_the_same_view_in_another_browser(browsers, server_url,

@@ -5,6 +5,7 @@ each against the library and the command line."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 import pytest
@@ -57,13 +58,43 @@ def test_the_plan_command_on_the_estimates_yaml_is_the_same_search(workspace, tm
     assert all(p["config"]["stage"] == "dpo" for p in printed["plans"])
 
 
-def test_when_the_method_fits_nowhere_the_next_lighter_one_is_planned_and_said(workspace):
+def test_when_the_method_fits_nowhere_the_planner_chooses_and_each_plan_says_why(
+        workspace, tmp_path, capsys):
     run = {**OOM_RUN, "method": "full", "seq_len": 1024}
     view = planning.plan_view(workspace, {"knobs": run, "method": "keep"})
     full_only = planning.plan_view(workspace, {"knobs": run, "method": "full"})
     assert not full_only["plans"]  # full fine-tuning of 7B does not fit a 4090
-    assert view["plans"] and view["kept"]["method"] in ("lora", "qlora")
+    assert view["plans"] and view["kept"]["method"] is None
     assert "nothing fits with full" in view["method_note"]
+    for plan in view["plans"]:
+        assert plan["knobs"]["method"] in ("lora", "qlora")
+        # the planner's reason (planner.plan.method_reasons), beside the change itself
+        assert [r.split(": ", 1)[0] for r in plan["reasons"]] == \
+            [c for c in plan["changes"] if c.startswith("method full → ")]
+        # the nearest full miss in words: bytes over, or the host RAM its offload lacks
+        assert re.fullmatch(r"method full → \w+: no full configuration fits these GPUs, the "
+                            r"nearest (\d[\d.]* \w+ over|fits the GPU but its offload needs "
+                            r"\d[\d.]* \w+ more host RAM)", plan["reasons"][0])
+    # the search's command reproduces it: `--method auto` frees an oomless.yaml's method
+    (tmp_path / "oomless.yaml").write_text(view["base_yaml"])
+    words = shlex.split(view["command"])
+    assert "--method=auto" in words
+    words[words.index("oomless.yaml")] = str(tmp_path / "oomless.yaml")
+    printed = cli_json(capsys, *words[1:])
+    assert [p["device_peak_bytes"] for p in printed["plans"]] == \
+        [p["device_peak_bytes"] for p in view["plans"]]
+    assert [c.get("why") for c in printed["plans"][0]["changes"] if c["key"] == "method"] \
+        == [view["plans"][0]["reasons"][0].split(": ", 1)[1]]
+
+
+def test_a_yaml_keeps_its_method_unless_the_plan_command_names_one(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text("model: qwen2.5-7b-instruct\nmethod: full\n"
+                                       "seq_len: 1024\n")
+    kept = cli_json(capsys, "plan", str(tmp_path / "run.yaml"), "--gpu", "rtx-4090")
+    chosen = cli_json(capsys, "plan", str(tmp_path / "run.yaml"), "--gpu", "rtx-4090",
+                      "--method", "auto")
+    assert not kept["plans"] and chosen["plans"]
+    assert {p["config"]["method"] for p in chosen["plans"]} <= {"lora", "qlora"}
 
 
 def test_the_knob_table_lists_what_gets_the_run_to_fit_first(workspace):
@@ -97,6 +128,72 @@ def test_the_inference_tab_says_what_estimate_inference_says(workspace, capsys, 
                    "--gpu", "rtx-a6000", "--seq-len", "2048", "--max-new-tokens", "512", *extra)
     key = "num_blocks" if engine == "vllm" else "device_peak_bytes"
     assert (view["budget"] if engine == "vllm" else view["estimate"])[key] == cli[key]
+
+
+# Issue 21/22's serving case: Qwen2.5-32B on two L40S, vLLM with tensor parallel 2 (the
+# vLLM start-up log of issue 22: 30.71 GiB weights per GPU, 7.71 GiB KV cache).
+TP2_ARGV = ["estimate", "qwen2.5-32b", "--inference", "--engine", "vllm", "--gpu", "l40sx2",
+            "--tensor-parallel-size", "2", "--max-model-len", "10000",
+            "--gpu-memory-utilization", "0.9"]
+TP2_REQUEST = {"model": "qwen2.5-32b", "gpu": "l40s", "gpus": 2, "engine": "vllm",
+               "tensor_parallel_size": "2", "max_model_len": "10000",
+               "gpu_memory_utilization": "0.9"}
+
+
+@pytest.mark.parametrize("request_, argv", [
+    (TP2_REQUEST, TP2_ARGV),
+    ({"model": "qwen2.5-7b-instruct", "gpu": "rtx-a6000", "gpus": 1, "engine": "vllm"},
+     ["estimate", "qwen2.5-7b-instruct", "--inference", "--engine", "vllm",
+      "--gpu", "rtx-a6000"]),
+    ({**TP2_REQUEST, "gpus": 4, "tensor_parallel_size": "", "max_model_len": "32768"},
+     [*TP2_ARGV[:6], "l40sx4", "--max-model-len", "32768",
+      "--gpu-memory-utilization", "0.9"]),
+])
+def test_the_inference_tab_gives_the_clis_vllm_numbers_past_one_gpu(workspace, capsys,
+                                                                    request_, argv):
+    view = json.loads(json.dumps(planning.inference_view(workspace, request_)))  # as sent
+    cli = cli_json(capsys, *argv)
+    budget = {k: v for k, v in cli.items() if k not in ("engine", "engine_args",
+                                                         "suggested_parallel")}
+    assert view["budget"] == budget
+    assert view["engine_args"] == cli["engine_args"]
+    assert view["suggested_parallel"] == cli["suggested_parallel"]
+    assert [row[1] for row in view["rows"]] == [cli[k] for k in (
+        "weights_bytes", "profile_peak_bytes", "non_torch_bytes", "kv_cache_bytes")]
+    printed = cli_json(capsys, *shlex.split(view["command"])[1:])  # the copied command
+    assert printed == cli
+    tp = cli["tensor_parallel_size"]
+    assert ("--tensor-parallel-size=2" in view["command"]) == (tp == 2)
+    assert bool(view["parallel"]) == (tp * cli["pipeline_parallel_size"] > 1)
+    if cli["suggested_parallel"]:
+        assert view["hint_text"].endswith(" ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in cli["suggested_parallel"].items()))
+
+
+def test_parallel_sizes_past_the_gpu_count_are_refused_as_the_cli_refuses(workspace):
+    from oomless.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tensor × pipeline × data parallel sizes = 4 GPUs"):
+        planning.inference_view(workspace, {**TP2_REQUEST, "tensor_parallel_size": "4"})
+
+
+def test_a_serving_fix_opens_the_inference_tab_with_vllms_setting(workspace, capsys):
+    from ui_helpers import FIXTURES
+
+    log = (FIXTURES / "oom_logs" / "vllm_no_kv_cache.log").read_text()
+    view = service.diagnose_view(workspace, {"log": log})
+    fixes = [f for e in view["events"] for f in e["fixes"]]
+    assert {"tensor_parallel_size": 2} in [f["inference"] for f in fixes]
+    assert all(f["inference"] is None for f in fixes if "tensor_parallel_size" not in f["text"]
+               and "gpu_memory_utilization" not in f["text"] and "max_model_len" not in f["text"])
+    # what the tab then shows is `estimate --inference --tensor-parallel-size 2`'s answer
+    opened = json.loads(json.dumps(planning.inference_view(workspace, {
+        "model": "qwen2.5-7b-instruct", "gpu": "l4", "gpus": 2, "engine": "vllm",
+        "tensor_parallel_size": 2})))
+    cli = cli_json(capsys, "estimate", "qwen2.5-7b-instruct", "--inference", "--engine", "vllm",
+                   "--gpu", "l4x2", "--tensor-parallel-size", "2")
+    assert opened["budget"]["num_blocks"] == cli["num_blocks"]
+    assert opened["budget"]["tensor_parallel_size"] == 2
 
 
 def test_every_result_carries_the_command_that_gives_it(workspace, capsys):

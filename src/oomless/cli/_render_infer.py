@@ -55,7 +55,7 @@ def budget_verdict(b: Any) -> str:
             f"{max(1, held)} or max_model_len")
 
 
-def _parallel_text(b: Any) -> str:
+def parallel_text(b: Any) -> str:
     tp, pp, dp = b.tensor_parallel_size, b.pipeline_parallel_size, b.data_parallel_size
     if tp * pp * dp == 1:
         return ""
@@ -69,10 +69,10 @@ def render_vllm(model: str, gpu_name: str, b: Any, args: dict[str, Any],
     out = console()
     out.print(f"[bold]{esc(model)}[/] · vLLM on {gpu_name} ({fmt_bytes(b.total_memory_bytes)}) · "
               f"max_model_len {b.max_model_len:,} · max_num_seqs {b.max_num_seqs}"
-              f"{_parallel_text(b)}", soft_wrap=True)
+              f"{parallel_text(b)}", soft_wrap=True)
     comm = " + NCCL, all-reduce buffers" if b.tensor_parallel_size * b.pipeline_parallel_size > 1 else ""
     rows = [("weights (with LoRA slots)" if args.get("enable_lora") else "weights",
-             b.weights_bytes, "this GPU's shard" if _parallel_text(b) else ""),
+             b.weights_bytes, "this GPU's shard" if parallel_text(b) else ""),
             ("profile-run peak (activations, sampler)", b.profile_peak_bytes, ""),
             (f"non-torch (CUDA context{comm})", b.non_torch_bytes, ""),
             ("KV cache", b.kv_cache_bytes,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 ORDER = 10
 
@@ -85,8 +86,6 @@ def _inference(args: argparse.Namespace, cfg) -> int:
     from ..api import cluster_for
     from ..errors import ConfigError
     from ..memory import estimate_generate
-    from ..memory.inference import EngineRequest, parallel_hint, vllm_engine_args
-    from ..memory.vllm_parallel import check_parallel
     from ..models.catalog import resolve_model
 
     spec = resolve_model(cfg.model).spec
@@ -104,6 +103,24 @@ def _inference(args: argparse.Namespace, cfg) -> int:
     if cluster is None:
         raise ConfigError("--inference --engine vllm needs --gpu (vLLM's budget is a "
                           "fraction of the card's memory); e.g. --gpu a100-80gb")
+    engine, budget, hint = vllm_estimate(args, cfg, spec, cluster)
+    if args.json:
+        print(json.dumps({"engine": "vllm", **budget.to_dict(), "engine_args": engine,
+                          "suggested_parallel": hint}, indent=2))
+        return 0
+    from ._render_infer import render_vllm
+
+    render_vllm(spec.name, cluster.gpu.display_name, budget, engine, hint)
+    return 0
+
+
+def vllm_estimate(args: argparse.Namespace, cfg, spec, cluster) -> tuple[dict, Any, dict | None]:
+    """vLLM's engine arguments, per-GPU budget and the parallel sizes that would fit (or
+    None) for `estimate --inference --engine vllm`'s options; the web page calls it too."""
+    from ..memory.inference import EngineRequest, parallel_hint, vllm_engine_args
+    from ..memory.vllm_parallel import check_parallel
+
+    new_tokens = cfg.eval.max_new_tokens or 512
     # LoRA slots only for an adapter the run says it trains (--method lora/qlora or the YAML)
     adapter = cfg.method != "full" and "method" in cfg.model_fields_set
     req = EngineRequest(model=cfg.model, max_model_len=args.max_model_len or cfg.seq_len + new_tokens,
@@ -116,12 +133,4 @@ def _inference(args: argparse.Namespace, cfg) -> int:
                         data_parallel_size=args.data_parallel_size, nodes=cluster.nodes)
     check_parallel(spec, req.parallel, cluster.world_size)
     engine, budget = vllm_engine_args(spec, cluster.gpu, req)
-    hint = parallel_hint(spec, cluster, req, budget)
-    if args.json:
-        print(json.dumps({"engine": "vllm", **budget.to_dict(), "engine_args": engine,
-                          "suggested_parallel": hint}, indent=2))
-        return 0
-    from ._render_infer import render_vllm
-
-    render_vllm(spec.name, cluster.gpu.display_name, budget, engine, hint)
-    return 0
+    return engine, budget, parallel_hint(spec, cluster, req, budget)

@@ -36,7 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens per sample (with --data: the longest allowed)")
     p.add_argument("--effective-batch", type=capped("effective_batch"),
                    help="samples per optimizer step over all GPUs (default 16)")
-    p.add_argument("--method", choices=["auto", "full", "lora", "qlora"], default="auto")
+    p.add_argument("--method", choices=["auto", "full", "lora", "qlora"],
+                   help="the method to plan (default auto: any; an oomless.yaml's own method "
+                        "unless --method is given, `--method auto` included)")
     p.add_argument("--headroom", type=FRACTION, default=0.10,
                    help="fraction of GPU memory kept free (default 0.10)")
     p.add_argument("--objective", choices=["speed", "memory"], default="speed")
@@ -69,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
 
     opts = PlanOptions(
         model=args.model, gpu=args.gpu, nodes=args.nodes, data=args.data, seq_len=args.seq_len,
-        effective_batch=args.effective_batch, method=args.method, headroom=args.headroom,
+        effective_batch=args.effective_batch, method=args.method or "auto",
+        method_from_file=args.method is None, headroom=args.headroom,
         objective=args.objective, top=args.top, host_ram_gb=args.host_ram_gb,
         images=args.images, eval_batch_size=args.eval_batch_size,
         max_new_tokens=args.max_new_tokens, lora_r=args.lora_r, stack=args.stack,

@@ -30,6 +30,9 @@ class PlanOptions:
     seq_len: int | None = None
     effective_batch: int | None = None
     method: str = "auto"
+    # An oomless.yaml with method "auto": True keeps the file's method (no --method given),
+    # False lets the search choose any method (`--method auto` said explicitly).
+    method_from_file: bool = True
     headroom: float = 0.10
     objective: str = "speed"
     top: int = 5
@@ -50,7 +53,7 @@ def _base_config(opts: PlanOptions, spec: ModelSpec) -> tuple[RunConfig, list[st
     fixed: set[str] = set()
     if opts.model.endswith((".yaml", ".yml")) and Path(opts.model).is_file():
         base = load_run_config(opts.model)
-        if opts.method == "auto":
+        if opts.method == "auto" and opts.method_from_file:
             fixed.add("method")  # the file's method stays unless --method says otherwise
     else:
         base = RunConfig(model=opts.model)

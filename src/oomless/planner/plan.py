@@ -245,8 +245,7 @@ def method_reasons(req: PlanRequest, found: list[_Found], missed: dict) -> dict[
     clean = [f for f in found if not f.tradeoffs] or found  # like for like: no trade-offs
     for f in clean:
         best[f.cfg.method] = max(best.get(f.cfg.method, 0.0), f.step.tokens_per_s)
-    nearest = min((fit.over_bytes for g, (fit, cfg) in missed.items() if cfg.method == base),
-                  default=None)
+    nearest = _nearest_miss_text(fit for fit, cfg in missed.values() if cfg.method == base)
     out = {}
     for method, tps in best.items():
         if method == base:
@@ -257,9 +256,20 @@ def method_reasons(req: PlanRequest, found: list[_Found], missed: dict) -> dict[
                            f"({tps:,.0f} vs {best[base]:,.0f}; 4-bit/8-bit dequantisation, "
                            "offload and communication counted)")
         else:
-            over = f", the nearest {fmt_bytes(nearest)} over" if nearest else ""
-            out[method] = f"no {base} configuration fits these GPUs{over}"
+            out[method] = f"no {base} configuration fits these GPUs{nearest}"
     return out
+
+
+def _nearest_miss_text(fits) -> str:
+    """The closest miss in words (as cli/_render_plan.miss_text says it): bytes over the
+    budget, or — when it fits the GPU (over ≤ 0) — the host RAM its offload lacks."""
+    nearest = min(fits, key=lambda f: (f.over_bytes, f.host_short_bytes), default=None)
+    if nearest is None:
+        return ""
+    if nearest.over_bytes > 0:
+        return f", the nearest {fmt_bytes(nearest.over_bytes)} over"
+    return (f", the nearest fits the GPU but its offload needs "
+            f"{fmt_bytes(nearest.host_short_bytes)} more host RAM")
 
 
 def _to_plan(spec: ModelSpec, req: PlanRequest, f: _Found,

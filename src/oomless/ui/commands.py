@@ -43,6 +43,10 @@ INFERENCE_OPTIONS: dict[str, tuple[str, type]] = {
     "max_model_len": ("--max-model-len", int), "max_num_seqs": ("--max-num-seqs", int),
     "gpu_memory_utilization": ("--gpu-memory-utilization", float),
     "kv_cache_dtype": ("--kv-cache-dtype", str),
+    # vLLM's parallel sizes (cli/_options.py add_vllm_parallel_options)
+    "tensor_parallel_size": ("--tensor-parallel-size", int),
+    "pipeline_parallel_size": ("--pipeline-parallel-size", int),
+    "data_parallel_size": ("--data-parallel-size", int),
 }
 COMMANDS = {"estimate": ESTIMATE_OPTIONS, "plan": PLAN_OPTIONS, "inference": INFERENCE_OPTIONS}
 

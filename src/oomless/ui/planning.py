@@ -12,7 +12,6 @@ change it are shown, with the reason).
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from typing import Any
 
@@ -40,51 +39,49 @@ def _plan_request(request: dict[str, Any], base: RunConfig) -> dict[str, Any]:
     return out
 
 
-def _lighter_methods(method: str) -> list[str]:
-    """The methods after ``method`` in knobs.METHODS (full, lora, qlora: each trains or
-    stores less than the one before), tried in turn when nothing fits with it."""
-    from ..knobs import METHODS
-
-    names = list(METHODS)
-    return names[names.index(method) + 1:] if method in names else []
-
-
 def _run_plan(ws: Workspace, knobs: dict[str, Any], request: dict[str, Any]):
-    from ..planner import PlanOptions, plan, request_from_options
+    from ..planner import plan
 
     base = run_config(ws, knobs)
     folder = ws.folder("plan-base")
     try:
         path = ws.save(folder, "oomless.yaml", dump_run_config(base))
         options = _plan_request(request, base)
-        args = commands.parse(options, "plan", str(path), uploaded=True)
-        opts = PlanOptions(
-            model=str(path), gpu=gpu_text(knobs), seq_len=args.seq_len,
-            effective_batch=args.effective_batch, method=args.method,
-            headroom=args.headroom, objective=args.objective, top=args.top,
-            lora_r=args.lora_r if args.method != "full" else None)
-        spec, req = request_from_options(opts)
+        opts, spec, req = _plan_options(options, path, knobs)
         result = plan(spec, req)
         method_note = None
         if not result.plans and request.get("method") in (None, "", KEEP):
-            for method in _lighter_methods(base.method):  # the next method down, in turn
-                trial = dataclasses.replace(opts, method=method,
-                                            lora_r=opts.lora_r if method != "full" else None)
-                spec_t, req_t = request_from_options(trial)
-                tried = plan(spec_t, req_t)
-                if tried.plans:
-                    opts, spec, req, result = trial, spec_t, req_t, tried
-                    options = {**options, "method": method}
-                    method_note = (f"nothing fits with {base.method} at sequence "
-                                   f"{args.seq_len} and effective batch "
-                                   f"{args.effective_batch}: these plans use {method}")
-                    break
+            # the planner's own way out (its "another method" suggestion): --method auto,
+            # each plan's method change carrying the planner's reason
+            tried = _plan_options({**options, "method": "auto"}, path, knobs)
+            auto_result = plan(tried[1], tried[2])
+            if auto_result.plans:
+                opts, spec, req = tried
+                result, options = auto_result, {**options, "method": "auto"}
+                method_note = (f"nothing fits with {base.method} at sequence {opts.seq_len} "
+                               f"and effective batch {opts.effective_batch}: the planner chose "
+                               "the method (--method auto); each plan says why")
         files = [plan_files(ws, p.run_config(), spec, req.cluster) for p in result.plans]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    kept = {"seq_len": args.seq_len, "effective_batch": args.effective_batch,
-            "method": opts.method, "stage": base.stage, "stack": base.stack}
+    kept = {"seq_len": opts.seq_len, "effective_batch": opts.effective_batch,
+            "method": None if opts.method == "auto" else opts.method, "stage": base.stage,
+            "stack": base.stack}
     return base, options, result, files, kept, method_note
+
+
+def _plan_options(options: dict[str, Any], path, knobs: dict[str, Any]):
+    """PlanOptions, spec and request of `oomless plan oomless.yaml [options]`."""
+    from ..planner import PlanOptions, request_from_options
+
+    args = commands.parse(options, "plan", str(path), uploaded=True)
+    opts = PlanOptions(
+        model=str(path), gpu=gpu_text(knobs), seq_len=args.seq_len,
+        effective_batch=args.effective_batch, method=args.method or "auto",
+        method_from_file=args.method is None, headroom=args.headroom,
+        objective=args.objective, top=args.top,
+        lora_r=args.lora_r if args.method != "full" else None)
+    return (opts, *request_from_options(opts))
 
 
 def _plain_plan(ws: Workspace, request: dict[str, Any]):
@@ -95,7 +92,8 @@ def _plain_plan(ws: Workspace, request: dict[str, Any]):
     args = commands.parse(request, "plan", model, uploaded)
     opts = PlanOptions(
         model=args.model, gpu=args.gpu, seq_len=args.seq_len,
-        effective_batch=args.effective_batch, method=args.method, headroom=args.headroom,
+        effective_batch=args.effective_batch, method=args.method or "auto",
+        method_from_file=args.method is None, headroom=args.headroom,
         objective=args.objective, top=args.top, lora_r=args.lora_r,
         host_ram_gb=args.host_ram_gb, images=args.images, max_new_tokens=args.max_new_tokens,
         stack=args.stack)
@@ -128,8 +126,11 @@ def plan_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
     shown = _model(ws, knobs)[1]
     plans = []
     for p, f in zip(result.plans, files, strict=True):
-        row = views.plan_row(p.to_dict(), [change_text(c) for c in p.changes],
+        changes = [_from_the_estimate(c, knobs) for c in p.changes]
+        row = views.plan_row(p.to_dict(), [change_text({**c, "why": None}) for c in changes],
                              read_as(p.config), fmt_duration(p.speed["step_s"]))
+        row["reasons"] = [f"{change_text({**c, 'why': None})}: {c['why']}"
+                          for c in changes if c.get("why")]  # the planner's own reason
         page = views.page_knobs(p.config)
         row |= {"files": f, "knobs": page,
                 "command": commands.command_line({**knobs, **page}, "estimate", shown)}
@@ -142,6 +143,14 @@ def plan_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
             "suggestions": list(result.suggestions), "notes": list(result.notes),
             "assumptions": list(result.assumptions), "kept": None, "method_note": None,
             "base_yaml": None, **extra}
+
+
+def _from_the_estimate(change: dict[str, Any], knobs: dict[str, Any]) -> dict[str, Any]:
+    """A change as the page's user reads it: under --method auto the planner counts the
+    method from "auto"; the Estimate tab's method is what it changed."""
+    if change["key"] == "method" and change["from"] == "auto" and knobs.get("method"):
+        return {**change, "from": knobs["method"]}
+    return change
 
 
 def _gpu(knobs: dict[str, Any]) -> dict[str, Any]:
@@ -165,13 +174,14 @@ def plan_files(ws: Workspace, cfg: RunConfig, spec, cluster) -> dict[str, str]:
 
 # ---- inference ---------------------------------------------------------------
 def inference_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
-    """`oomless estimate --inference`: HF generate's memory, or vLLM's budget (KV blocks,
-    the most sequences held, the smallest utilization) and the engine arguments.
-    The same library calls as cli/estimate.py's inference path, with its defaults."""
+    """`oomless estimate --inference`: HF generate's memory, or vLLM's per-GPU budget (KV
+    blocks, the most sequences held, the smallest utilization; tensor, pipeline and data
+    parallel sizes as vLLM takes them) and the engine arguments. The same library calls
+    as cli/estimate.py's inference path (cli.estimate.vllm_estimate), with its defaults."""
     from ..api import cluster_for
     from ..cli._options import run_config_from_args
+    from ..cli.estimate import vllm_estimate
     from ..memory import estimate_generate
-    from ..memory.inference import EngineRequest, vllm_engine_args
     from ..models.catalog import resolve_model
 
     with ws.clean_errors():
@@ -187,11 +197,6 @@ def inference_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
         if cluster is None:
             raise ConfigError("--inference --engine vllm needs --gpu (vLLM's budget is a "
                               "fraction of the card's memory); pick a GPU")
-        adapter = cfg.method != "full" and "method" in cfg.model_fields_set
-        req = EngineRequest(
-            model=cfg.model, max_model_len=args.max_model_len or cfg.seq_len + new_tokens,
-            max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
-            lora_rank=cfg.lora.r if adapter else 0, kv_cache_dtype=args.kv_cache_dtype,
-            trust_remote_code=cfg.training.trust_remote_code)
-        engine, budget = vllm_engine_args(spec, cluster.gpu, req)
-    return views.vllm_payload(spec.name, cluster.gpu.display_name, budget, engine, command)
+        engine, budget, hint = vllm_estimate(args, cfg, spec, cluster)
+    return views.vllm_payload(spec.name, cluster.gpu.display_name, budget, engine, command,
+                              hint)

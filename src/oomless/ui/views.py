@@ -192,10 +192,20 @@ def diagnosis_payload(diagnosis: dict[str, Any], headings: list[tuple[str, str]]
             "causes": [{"title": c["title"], "evidence": c["evidence"]}
                        for c in finding["causes"]],
             "fixes": [{"text": f["summary"], "keeps_training": f["keeps_training"],
-                       "fits": f["fits"]} for f in finding["fixes"]],
+                       "fits": f["fits"], "inference": _inference_fields(f)}
+                      for f in finding["fixes"]],
         })
     return {"found": diagnosis["found"], "summary": diagnosis["summary"], "events": events,
             "notes": diagnosis["notes"], "gpu": diagnosis["gpu"]}
+
+
+def _inference_fields(fix: dict[str, Any]) -> dict[str, Any] | None:
+    """A serving fix's engine settings that the Inference tab takes (its fields are
+    commands.INFERENCE_OPTIONS, vLLM's own names): the tab opens with them; else None."""
+    from .commands import INFERENCE_OPTIONS
+
+    fields = {k: v for k, v in fix["changes"].items() if k in INFERENCE_OPTIONS}
+    return fields if fix["domain"] == "serving" and fields else None
 
 
 def page_knobs(config: dict[str, Any]) -> dict[str, Any]:
@@ -234,23 +244,31 @@ def _plain(markup: str) -> str:
 
 
 def vllm_payload(model: str, gpu_name: str, budget: Any, engine: dict[str, Any],
-                 command: str) -> dict[str, Any]:
-    """The Inference tab for vLLM: the budget's parts, the KV blocks, the most sequences
-    held and the smallest utilization, in the CLI's words, and the engine arguments."""
-    from ..cli._render_infer import budget_verdict, engine_args_text
+                 command: str, hint: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Inference tab for vLLM: the budget's parts per GPU (the fullest rank under
+    tensor/pipeline parallel), the KV blocks, the most sequences held and the smallest
+    utilization, in the CLI's words, the engine arguments, and the parallel sizes that
+    would fit on the GPUs named (``hint``, the CLI's suggested_parallel)."""
+    from ..cli._render_infer import budget_verdict, engine_args_text, parallel_text
 
     b = budget.to_dict()
-    rows = [["weights (with LoRA slots)" if engine.get("enable_lora") else "weights",
-             b["weights_bytes"]],
+    parallel = parallel_text(budget).removeprefix(" · ")
+    comm = (", NCCL, all-reduce buffers"
+            if budget.tensor_parallel_size * budget.pipeline_parallel_size > 1 else "")
+    weights = "weights (with LoRA slots)" if engine.get("enable_lora") else "weights"
+    rows = [[weights + (" — this GPU's shard" if parallel else ""), b["weights_bytes"]],
             ["profile-run peak (activations, sampler)", b["profile_peak_bytes"]],
-            ["non-torch (CUDA context, CUDA graphs)", b["non_torch_bytes"]],
+            [f"non-torch (CUDA context, CUDA graphs{comm})", b["non_torch_bytes"]],
             ["KV cache", b["kv_cache_bytes"]]]
     state = ("out-of-memory" if not b["fits"] else "fits" if b["holds_max_num_seqs"]
              else "tight")
+    hint_text = (None if not hint else "with the GPUs named, vLLM fits with: " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in hint.items()))
     return {"engine": "vllm", "model": model, "gpu": gpu_name, "budget": b,
             "rows": [[name, n, fmt_bytes(n)] for name, n in rows], "state": state,
             "text": _plain(budget_verdict(budget)), "engine_args": engine,
-            "engine_args_text": engine_args_text(engine), "command": command}
+            "engine_args_text": engine_args_text(engine), "command": command,
+            "parallel": parallel, "suggested_parallel": hint, "hint_text": hint_text}
 
 
 def generate_payload(model: str, est: dict[str, Any], cluster: Any,

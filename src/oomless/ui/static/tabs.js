@@ -12,6 +12,8 @@ function planCard(p, i) {
     el("div", { class: "changed" }, p.changes.length
       ? `changed from your Estimate so that it fits: ${p.changes.join("; ")}`
       : "your Estimate's configuration as it is"),
+    p.reasons.length ? el("div", { class: "why" }, `why (the planner): ${p.reasons.join("; ")}`)
+      : null,
     p.tradeoffs.length ? el("div", { class: "hint" }, `trade-offs: ${p.tradeoffs.join("; ")}`)
       : null,
     el("div", { class: "plan-files" }, files,
@@ -45,7 +47,8 @@ async function runPlan(signal) {
     `${r.searched.toLocaleString()} configurations in ${r.elapsed_s.toFixed(2)} s, ` +
     `${r.fitting.toLocaleString()} fit`),
   el("div", { class: "kept", id: "plan-kept" }, `kept from your Estimate: sequence ${k.seq_len}` +
-    `, effective batch ${k.effective_batch}, method ${k.method}, stage ${k.stage}, ` +
+    `, effective batch ${k.effective_batch}${k.method ? `, method ${k.method}` : ""}` +
+    `, stage ${k.stage}, ` +
     `stack ${k.stack}`)];
   if (r.method_note) out.push(el("div", { class: "verdict tight", id: "plan-method-note" },
     el("span", { class: "badge" }, "METHOD CHANGED"), el("span", {}, r.method_note)));
@@ -68,13 +71,15 @@ async function runPlan(signal) {
 
 /* ---- inference --------------------------------------------------------------- */
 function inferenceRequest() {
-  const req = { ...modelRequest(), gpus: 1, engine: $("inf-engine").value,
+  const req = { ...modelRequest(), engine: $("inf-engine").value,
     seq_len: $("inf-prompt").value || null, max_new_tokens: $("inf-new").value || null };
   if (req.engine === "vllm") {
     Object.assign(req, { max_model_len: $("inf-max-model-len").value || null,
       max_num_seqs: $("inf-max-num-seqs").value || null,
       gpu_memory_utilization: $("inf-utilization").value || null,
-      kv_cache_dtype: $("inf-kv-dtype").value });
+      kv_cache_dtype: $("inf-kv-dtype").value, tensor_parallel_size: $("inf-tp").value || null,
+      pipeline_parallel_size: $("inf-pp").value || null,
+      data_parallel_size: $("inf-dp").value || null });
   } else req.batch_size = $("inf-batch").value || null;
   return req;
 }
@@ -92,6 +97,11 @@ async function runInference(signal) {
   const badge = { fits: "FITS", tight: "QUEUES", "out-of-memory": "OUT OF MEMORY" }[r.state];
   const out = [el("div", { class: `verdict ${r.state || ""}`, id: "inf-verdict" },
     el("span", { class: "badge" }, badge || "NO GPU"), el("span", {}, r.text))];
+  if (r.parallel) out.push(el("div", { class: "kept", id: "inf-parallel" },
+    `per GPU (the fullest rank): ${r.parallel} on ${r.gpu}`));
+  if (r.hint_text) out.push(el("div", { class: "hint", id: "inf-hint" }, r.hint_text,
+    el("button", { class: "copy", onclick: () => openInInference(r.suggested_parallel) },
+      "use these")));
   const rows = r.rows.map(([name, _b, text]) => el("tr", {}, el("td", {}, name),
     el("td", {}, text)));
   out.push(el("table", { class: "grid", id: "inf-table" }, el("tbody", {}, rows)));
@@ -185,11 +195,36 @@ async function runDiagnose(signal) {
         : el("li", {}, "Cause: not recognised from this message")),
       e.fixes.length ? el("b", {}, "Fixes, those that keep the training first:") : null,
       el("ol", {}, e.fixes.map((f) => el("li", {}, f.text,
-        f.keeps_training ? "" : el("span", { class: "hint" }, "  (changes the training)"))))));
+        f.keeps_training ? "" : el("span", { class: "hint" }, "  (changes the training)"),
+        f.inference ? el("button", { class: "open-inference",
+          onclick: () => openInInference(f.inference) }, "open in Inference") : null)))));
   }
   out.push(...r.notes.map((n) => el("div", { class: "hint" }, `note: ${n}`)));
   out.push(commandBox(r.command));
   $("diag-result").replaceChildren(...out);
+}
+
+/* A serving fix's engine settings (vLLM's names) into the Inference tab, run there;
+   the GPU count grows to the GPUs the parallel sizes take. */
+const INFERENCE_FIELDS = { tensor_parallel_size: "inf-tp", pipeline_parallel_size: "inf-pp",
+  data_parallel_size: "inf-dp", max_model_len: "inf-max-model-len",
+  max_num_seqs: "inf-max-num-seqs", gpu_memory_utilization: "inf-utilization",
+  kv_cache_dtype: "inf-kv-dtype" };
+
+function openInInference(fields) {
+  $("inf-engine").value = "vllm";
+  showEngineFields();
+  for (const [key, value] of Object.entries(fields)) {
+    if (INFERENCE_FIELDS[key]) $(INFERENCE_FIELDS[key]).value = value;
+  }
+  const size = (id) => Number($(id).value) || 1;
+  const gpus = size("inf-tp") * size("inf-pp") * size("inf-dp");
+  if (gpus > (Number($("gpus").value) || 1)) {
+    $("gpus").value = gpus;
+    $("gpus").dispatchEvent(new Event("input", { bubbles: true }));
+  }
+  switchTab("inference");
+  runTask("inf", runInference, { clear: CLEAR.inf });
 }
 
 /* ---- runs -------------------------------------------------------------------- */
