@@ -77,6 +77,7 @@ class CheckResult:
     warnings: list[str] = field(default_factory=list)  # keys no version of the tool knows
     refused: list[str] = field(default_factory=list)  # candidate fixes a rule refused
     assumptions: list[str] = field(default_factory=list)
+    lora_reach: str = ""  # where the LoRA targets land (memory.vision.lora_reach)
 
     @property
     def fits(self) -> bool:
@@ -312,6 +313,7 @@ def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
 
 def check(opts: CheckOptions) -> CheckResult:
     from ..memory.band import band_bytes
+    from ..memory.vision import lora_reach
     from ..planner.speed import ASSUMPTIONS
 
     reading = read_files(opts)
@@ -339,5 +341,6 @@ def check(opts: CheckOptions) -> CheckResult:
         low_bytes=low, high_bytes=high,
         fix=fix.to_dict() if fix else None, diffs=diffs, new_texts=new_texts,
         notes=reading.notes, warnings=reading.warnings, refused=search_state.refused,
+        lora_reach=lora_reach(spec, cfg),
         assumptions=[*reading.assumptions, *unmodelled_settings(spec, cfg, cluster),
                      *ASSUMPTIONS])

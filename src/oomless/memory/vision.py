@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import RunConfig
+from ..errors import ConfigError
 from ..models.spec import ModelSpec, VisionSpec
 from .activations import LayerPlan, layer_activation_bytes
 from .precision import Dtypes
@@ -134,7 +135,8 @@ def tower_rows(spec: ModelSpec, cfg: RunConfig) -> tuple[int, int]:
 
 def tower_saved_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> dict[str, float]:
     """What a trained tower keeps for backward: all its layers (or, with gradient
-    checkpointing, each layer's input) and one layer's worth for recomputation."""
+    checkpointing of a tower whose code checkpoints — ``VisionSpec.checkpointed`` —
+    each layer's input) and one layer's worth for recomputation."""
     plan = tower_plan(spec, cfg)
     if plan is None:
         return {"layers": 0, "one_layer": 0}
@@ -147,7 +149,7 @@ def tower_saved_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> dict[str, 
         embeddings += dt.act_bytes * rows * 3 * 2 * spec.vision.patch_size**2 \
             if spec.vision.dynamic_resolution else dt.act_bytes * images * 3 * (
                 spec.vision.image_size**2)
-    if cfg.grad_ckpt:
+    if cfg.grad_ckpt and spec.vision.checkpointed:
         layers = tower.num_layers * dt.resid_bytes * rows * tower.hidden_size
     else:
         layers = tower.num_layers * layer
@@ -217,6 +219,29 @@ def vision_trainable_params(spec: ModelSpec, cfg: RunConfig) -> int:
         for lin in tower.layer_linears() if lin.name in plan.lora)
 
 
+def lora_reach(spec: ModelSpec, cfg: RunConfig) -> str:
+    """Where the LoRA targets land, by layer count: "LoRA on 40 language + 63
+    vision-tower layers (query_key_value)" — PEFT matches the names in every module of
+    the model, the vision tower's included ("" for full fine-tuning)."""
+    from .states import lora_targets
+
+    if cfg.method == "full":
+        return ""
+    targets = cfg.lora.targets
+    try:
+        language = spec.num_layers if lora_targets(spec, targets) else 0
+    except ConfigError:
+        language = 0
+    plan = tower_plan(spec, cfg)
+    names = "all linear layers" if targets == "all-linear" else ", ".join(targets)
+    if plan is None:
+        frozen = " (vision tower frozen)" if spec.vision and cfg.vision.freeze_tower else ""
+        return f"LoRA on {language} language layers ({names}){frozen}"
+    ckpt = "" if spec.vision.checkpointed or not cfg.grad_ckpt else ", tower not checkpointed"
+    return (f"LoRA on {language} language + {spec.vision.num_layers} vision-tower layers "
+            f"({names}{ckpt})")
+
+
 def vision_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     if not spec.vision:
         return []
@@ -237,6 +262,9 @@ def vision_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     else:
         out.append(f"LoRA reaches the vision tower ({', '.join(sorted(plan.lora))}): every "
                    "tower layer keeps its activations")
+    if plan is not None and cfg.grad_ckpt and not spec.vision.checkpointed:
+        out.append(f"gradient checkpointing does not reach the {spec.vision.kind} tower (its "
+                   "code has no checkpointing): the tower keeps every layer's activations")
     out.append(f"tower attention: {tower_attn(spec, cfg)}")
     return out
 

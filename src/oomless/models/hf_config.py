@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import hf_vision
+from .families import tower_checkpointed
 from .hf_decoder import ConfigFields, chatglm_spec, chatglm_to_glm, decoder_spec
 from .quantization import quant_spec_from_config
 from .spec import ModelSpec
@@ -30,6 +31,14 @@ def spec_from_hf_config(config: dict[str, Any], name: str, where: str | None = N
 
 
 def _unquantized_spec(config: dict[str, Any], name: str, where: str | None) -> ModelSpec:
+    spec = _read_spec(config, name, where)
+    if spec.vision is None:
+        return spec
+    return replace(spec, vision=replace(
+        spec.vision, checkpointed=tower_checkpointed(spec.vision.kind)))
+
+
+def _read_spec(config: dict[str, Any], name: str, where: str | None) -> ModelSpec:
     f = ConfigFields(config, where or name)
     model_type = str(f.need("model_type"))
     if model_type == "chatglm":
