@@ -42,3 +42,8 @@ class GPUUnavailableError(OomlessError):
     """A command that needs an NVIDIA GPU ran on a machine without one."""
 
     exit_code = 1
+
+
+class UnknownFamilyError(ModelConfigError):
+    """A config.json whose model_type the formulas of oomless.models do not know (the
+    model's structure is then read from its own code, oomless.models.structure)."""

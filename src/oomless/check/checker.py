@@ -313,7 +313,7 @@ def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
 
 def check(opts: CheckOptions) -> CheckResult:
     from ..memory.band import band_bytes
-    from ..memory.vision import lora_reach
+    from ..memory.states import lora_reach
     from ..planner.speed import ASSUMPTIONS
 
     reading = read_files(opts)

@@ -236,7 +236,7 @@ def resolve_model(text: str) -> ResolvedModel:
     config = read_config_file(path)
     in_cache = not Path(text).expanduser().exists()
     name = text if in_cache else _name_from_path(path)
-    spec = spec_from_hf_config(config, name, where=str(path))
+    spec = spec_from_hf_config(config, name, where=str(path), folder=path.parent)
     return ResolvedModel(
         spec=spec,
         hf_config=buildable_hf_config(config),

@@ -9,20 +9,35 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+from ..errors import UnknownFamilyError
 from . import hf_vision
 from .families import tower_checkpointed
 from .hf_decoder import ConfigFields, chatglm_spec, chatglm_to_glm, decoder_spec
 from .quantization import quant_spec_from_config
 from .spec import ModelSpec
+from .structure import checked_against_code, read_structure
 
 __all__ = ["buildable_hf_config", "chatglm_to_glm", "spec_from_hf_config"]
 
 
-def spec_from_hf_config(config: dict[str, Any], name: str, where: str | None = None) -> ModelSpec:
-    """A ModelSpec from a config.json dict. ``where`` (file or catalog entry) goes into errors."""
-    spec = _unquantized_spec(config, name, where)
+def spec_from_hf_config(config: dict[str, Any], name: str, where: str | None = None,
+                        folder: Path | None = None) -> ModelSpec:
+    """A ModelSpec from a config.json dict. ``where`` (file or catalog entry) goes into errors.
+    ``folder``: the user's model folder the config was read from (None for the catalog):
+    a family the formulas do not know is then read from the model's code, and a known one
+    is checked against it (oomless.models.structure)."""
+    try:
+        spec = _unquantized_spec(config, name, where)
+    except UnknownFamilyError as reason:
+        if folder is None:
+            raise
+        spec = read_structure(config, name, folder, where or name, reason)
+    else:
+        if folder is not None:
+            spec = checked_against_code(spec, config, folder, where or name)
     qcfg = config.get("quantization_config") if isinstance(config, dict) else None
     if qcfg is None:
         return spec

@@ -8,8 +8,8 @@ fields are checked against transformers' meta-device models for every catalog
 entry (tests/test_catalog_params.py).
 
 Families: dense decoders (llama, mistral, qwen2, qwen3, gemma, gemma2, phi,
-phi3, glm, glm4, gemma3_text; other model types are read as llama-style decoders and say
-so in ``ModelSpec.assumptions``), mixture-of-experts (mixtral, qwen2_moe,
+phi3, glm, glm4, gemma3_text; any other model type raises UnknownFamilyError and is read
+from its own code, oomless.models.structure), mixture-of-experts (mixtral, qwen2_moe,
 qwen3_moe) and ChatGLM/GLM-4 (``chatglm``). Vision towers are read in
 :mod:`oomless.models.hf_vision`; :mod:`oomless.models.hf_config` picks the reader.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..errors import ModelConfigError
+from ..errors import ModelConfigError, UnknownFamilyError
 from .spec import ModelSpec
 
 # ---- values a config.json may hold --------------------------------------------------
@@ -242,11 +242,9 @@ def decoder_spec(f: ConfigFields, name: str, model_type: str | None = None) -> M
     fam = _FAMILY.get(model_type)
     notes = []
     if fam is None:
-        fam = {"tie": False}
-        notes.append(
-            f"model_type '{model_type}' is not a family oomless knows; read as a llama-style "
-            "decoder (gated MLP, RMSNorm, 2 norms per layer, no biases unless attention_bias)"
-        )
+        raise UnknownFamilyError(
+            f"{f.where}: model_type '{model_type}' is not a family the formulas of oomless "
+            f"know ({', '.join(sorted(_FAMILY))}, chatglm and the vision families).")
     if f.config.get("num_key_value_heads") is None:
         notes.append("num_key_value_heads not set: multi-head attention (as transformers defaults)")
     num_layers = int(f.need("num_hidden_layers"))
