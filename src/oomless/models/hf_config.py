@@ -38,10 +38,15 @@ def spec_from_hf_config(config: dict[str, Any], name: str, where: str | None = N
     else:
         if folder is not None:
             spec = checked_against_code(spec, config, folder, where or name)
+    return with_quantization(spec, config, where or name)
+
+
+def with_quantization(spec: ModelSpec, config: dict[str, Any], where: str) -> ModelSpec:
+    """``spec`` with the checkpoint's quantization_config read (models/quantization.py)."""
     qcfg = config.get("quantization_config") if isinstance(config, dict) else None
     if qcfg is None:
         return spec
-    quant, notes = quant_spec_from_config(qcfg, where or name)
+    quant, notes = quant_spec_from_config(qcfg, where)
     return replace(spec, quantization=quant, assumptions=(*spec.assumptions, *notes))
 
 
