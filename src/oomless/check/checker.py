@@ -289,8 +289,9 @@ def _fix(s: _Search) -> tuple[Any, dict[str, str], dict[str, str]]:
 def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
     """The model's spec. A local folder that is not on this machine ('./Qwen2.5-7B-Instruct')
     is read as the catalog model of the same name, with a note."""
+    from ..api import resolve_model
     from ..errors import UnknownModelError
-    from ..models.catalog import find_entry, resolve_model
+    from ..models.catalog import find_entry
 
     named = reading.run.get("model")
     model = opts.model or named
