@@ -133,3 +133,35 @@ def test_no_guess_when_neither_formulas_nor_code_know_the_model(tmp_path):
     allow_remote_code(False)
     with pytest.raises(ModelConfigError, match="cannot size it"):
         resolve_model(str(_folder(tmp_path, config)))
+
+
+def test_a_known_family_the_formulas_misread_is_taken_from_the_code(tmp_path):
+    """Qwen3-0.6B's config without head_dim: Qwen3Config defaults it to 128, not
+    hidden / heads = 64; the formulas' count is 15% short, so the code's structure wins."""
+    from oomless.models.catalog import get_entry
+
+    config = get_entry("qwen3-0.6b").config
+    del config["head_dim"]
+    spec = resolve_model(str(_folder(tmp_path, config))).spec
+    assert spec.param_count == _real_count(config) == get_entry("qwen3-0.6b").spec.param_count
+    assert spec.head_dim == 128
+    assert any("the structure read from the code is used" in a for a in spec.assumptions)
+
+
+def test_a_known_family_read_right_keeps_the_formulas(tmp_path):
+    from oomless.models.catalog import get_entry
+
+    config = get_entry("qwen3-0.6b").config
+    spec = resolve_model(str(_folder(tmp_path, config, "qwen3-0.6b"))).spec
+    assert spec == get_entry("qwen3-0.6b").spec
+    assert not any("meta device" in a for a in spec.assumptions)
+
+
+def test_the_api_entry_carries_the_consent(tmp_path):
+    from oomless.api import resolve_model as api_resolve
+
+    folder = _folder(tmp_path, _qwen1_config())
+    with pytest.raises(ModelConfigError, match="modeling_qwen.py is not in"):
+        api_resolve(str(folder), trust_remote_code=True)
+    with pytest.raises(ModelConfigError, match="Pass --trust-remote-code"):
+        api_resolve(str(folder), trust_remote_code=False)
