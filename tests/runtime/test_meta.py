@@ -61,6 +61,8 @@ def test_unknown_family_is_counted_exactly_from_its_code(tmp_path, model_type):
     assert spec.vocab_size == text.vocab_size
     assert spec.num_heads == text.num_attention_heads
     assert "meta device" in spec.assumptions[0]
+    # every one of these classes checkpoints its layers (GradientCheckpointingLayer)
+    assert not any("checkpoint" in a for a in spec.assumptions)
     if model_type in PARTLY_MODELLED:
         assert any(PARTLY_MODELLED[model_type] in a for a in spec.assumptions)
     else:  # the structure is fully read: what the formulas model is the whole model
