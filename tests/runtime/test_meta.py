@@ -103,34 +103,43 @@ def test_tiny_random_model_matches_the_read_structure(tmp_path):
     assert (spec.num_layers, spec.num_kv_heads, spec.intermediate_size) == (2, 2, 96)
 
 
-def _qwen1_config() -> dict:
-    """Qwen/Qwen-7B's config.json fields that decide its shapes (remote code)."""
-    return {"architectures": ["QWenLMHeadModel"], "model_type": "qwen",
-            "auto_map": {"AutoConfig": "configuration_qwen.QWenConfig",
-                         "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel"},
-            "hidden_size": 4096, "intermediate_size": 22016, "kv_channels": 128,
-            "num_attention_heads": 32, "num_hidden_layers": 32, "vocab_size": 151936,
-            "no_bias": True, "seq_length": 8192, "tie_word_embeddings": False}
+def _remote_config() -> dict:
+    """A MiniCPM-V-2.6-shaped config: model_type minicpmv, code in modeling_minicpmv.py."""
+    return {"architectures": ["MiniCPMV"], "model_type": "minicpmv",
+            "auto_map": {"AutoConfig": "configuration_minicpm.MiniCPMVConfig",
+                         "AutoModel": "modeling_minicpmv.MiniCPMV",
+                         "AutoModelForCausalLM": "modeling_minicpmv.MiniCPMV"},
+            "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+            "num_hidden_layers": 28, "num_key_value_heads": 4, "vocab_size": 151666}
+
+
+def test_qwen1_from_a_local_folder_is_counted_from_its_fields(tmp_path):
+    """Qwen-7B's config.json (remote code) is read as data: no code runs, no consent
+    needed; w1/w2 are intermediate_size // 2 wide (modeling_qwen.py QWenMLP)."""
+    from oomless.models.catalog import get_entry
+
+    spec = resolve_model(str(_folder(tmp_path, get_entry("qwen-7b").config))).spec
+    assert spec.param_count == 7_721_324_544 and spec.intermediate_size == 11008
 
 
 def test_remote_code_is_refused_without_consent(tmp_path, capsys):
-    folder = _folder(tmp_path, _qwen1_config())
+    folder = _folder(tmp_path, _remote_config())
     rc = main(["estimate", str(folder), "--gpu", "a100-80gb"])
     err = capsys.readouterr().err
     assert rc == 2
-    assert "--trust-remote-code" in err and "modeling_qwen.py" in err
+    assert "--trust-remote-code" in err and "modeling_minicpmv.py" in err
     assert "Traceback" not in err
 
 
 def test_consent_without_the_code_names_the_missing_file(tmp_path, capsys):
-    folder = _folder(tmp_path, _qwen1_config())
+    folder = _folder(tmp_path, _remote_config())
     rc = main(["estimate", str(folder), "--gpu", "a100-80gb", "--trust-remote-code"])
     err = capsys.readouterr().err
-    assert rc == 2 and "modeling_qwen.py" in err and "never downloads" in err
+    assert rc == 2 and "modeling_minicpmv.py" in err and "never downloads" in err
 
 
 def test_no_guess_when_neither_formulas_nor_code_know_the_model(tmp_path):
-    config = _qwen1_config()
+    config = _remote_config()
     del config["auto_map"]
     allow_remote_code(False)
     with pytest.raises(ModelConfigError, match="cannot size it"):
@@ -162,8 +171,8 @@ def test_a_known_family_read_right_keeps_the_formulas(tmp_path):
 def test_the_api_entry_carries_the_consent(tmp_path):
     from oomless.api import resolve_model as api_resolve
 
-    folder = _folder(tmp_path, _qwen1_config())
-    with pytest.raises(ModelConfigError, match="modeling_qwen.py is not in"):
+    folder = _folder(tmp_path, _remote_config())
+    with pytest.raises(ModelConfigError, match="modeling_minicpmv.py is not in"):
         api_resolve(str(folder), trust_remote_code=True)
     with pytest.raises(ModelConfigError, match="Pass --trust-remote-code"):
         api_resolve(str(folder), trust_remote_code=False)

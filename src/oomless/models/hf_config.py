@@ -20,6 +20,10 @@ from .quantization import quant_spec_from_config
 from .spec import ModelSpec
 from .structure import checked_against_code, read_structure
 
+# model types the formulas read whose only implementation is the checkpoint's own code
+# (transformers has no class: Qwen-1 QWenLMHeadModel, Baichuan2 BaichuanForCausalLM)
+REMOTE_CODE_ONLY = frozenset({"qwen", "baichuan"})
+
 __all__ = ["buildable_hf_config", "chatglm_to_glm", "spec_from_hf_config"]
 
 
@@ -89,6 +93,8 @@ def buildable_hf_config(config: dict[str, Any]) -> dict[str, Any] | None:
     model_type = str(config.get("model_type", ""))
     if model_type == "chatglm":
         return None if config.get("vision_config") else chatglm_to_glm(config)
+    if model_type in REMOTE_CODE_ONLY:
+        return None
     if model_type.startswith("moe_llava") or model_type.startswith("llava_"):
         return None
     if model_type == "llava" and config.get("text_config") is None:

@@ -8,7 +8,8 @@ fields are checked against transformers' meta-device models for every catalog
 entry (tests/test_catalog_params.py).
 
 Families: dense decoders (llama, mistral, qwen2, qwen3, gemma, gemma2, phi,
-phi3, glm, glm4, gemma3_text; any other model type raises UnknownFamilyError and is read
+phi3, glm, glm4, gemma3_text, and the remote-code qwen (Qwen-1) and baichuan read as data;
+any other model type raises UnknownFamilyError and is read
 from its own code, oomless.models.structure), mixture-of-experts (mixtral, qwen2_moe,
 qwen3_moe) and ChatGLM/GLM-4 (``chatglm``). Vision towers are read in
 :mod:`oomless.models.hf_vision`; :mod:`oomless.models.hf_config` picks the reader.
@@ -146,6 +147,12 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"tie": False, "qk_norm": True},
     # Glm4MoeAttention: q/k/v bias = attention_bias, o_proj none; q_norm/k_norm when use_qk_norm
     "glm4_moe": {"tie": False, "bias": "qkv"},
+    # remote code, read as data (their code is not run): Qwen-1 modeling_qwen.py QWenAttention
+    # c_attn hidden -> 3 x hidden with bias, c_proj without (no_bias); QWenMLP w1/w2 of
+    # intermediate_size // 2 each and c_proj back (config.intermediate_size is their sum)
+    "qwen": {"tie": False, "fused_qkv": True, "bias": "qkv_always", "half_width": True},
+    # Baichuan2 modeling_baichuan.py: W_pack hidden -> 3 x hidden, no biases; NormHead lm_head
+    "baichuan": {"tie": False, "fused_qkv": True},
 }
 
 def _dtype(f: ConfigFields) -> str:
@@ -258,8 +265,8 @@ def decoder_spec(f: ConfigFields, name: str, model_type: str | None = None) -> M
         vocab_size=int(f.need("vocab_size")),
         hidden_size=int(f.need("hidden_size")),
         num_layers=num_layers,
-        # dense MLP width; Mixtral: each expert's width
-        intermediate_size=int(f.need("intermediate_size")),
+        # dense MLP width; Mixtral: each expert's width; Qwen-1: half of the config's
+        intermediate_size=int(f.need("intermediate_size")) // (2 if fam.get("half_width") else 1),
         mlp_gated=not fam.get("plain_mlp", False),
         hidden_act=str(f.get("hidden_act") or f.get("hidden_activation") or "silu"),
         fused_gate_up=fam.get("fused_gate_up", False),
