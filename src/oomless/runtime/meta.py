@@ -101,16 +101,32 @@ def build_config(config: dict[str, Any], folder: Path | None, trust_remote_code:
                                           local_files_only=True)
 
 
+def _named_class(config_obj: Any) -> Any:
+    """The transformers class the config's ``architectures`` names, if transformers has it
+    (a vision-language checkpoint names its full model; AutoModelForCausalLM may map the
+    model type to the text-only one)."""
+    import transformers
+
+    names = getattr(config_obj, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    return cls if isinstance(cls, type) and hasattr(cls, "_from_config") else None
+
+
 def build_meta_model(config_obj: Any, trust_remote_code: bool) -> Any:
-    """The model on the meta device: causal LM, else image-text-to-text, else the base model."""
+    """The model on the meta device: the class ``architectures`` names, else causal LM,
+    image-text-to-text or the base model through the Auto classes."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
     last: Exception | None = None
+    named = None if trust_remote_code else _named_class(config_obj)
+    builders = ([named._from_config] if named else []) + [
+        lambda c, a=auto: a.from_config(c, trust_remote_code=trust_remote_code)
+        for auto in (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel)]
     with _offline(), torch.device("meta"):
-        for auto in (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel):
+        for build in builders:
             try:
-                return auto.from_config(config_obj, trust_remote_code=trust_remote_code)
+                return build(config_obj)
             except (ValueError, KeyError) as err:  # no class of this kind: try the next
                 last = err
             except (AssertionError, TypeError, RuntimeError, AttributeError) as err:

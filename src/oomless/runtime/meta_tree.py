@@ -45,8 +45,8 @@ def _layers(model: Any) -> tuple[str, Any]:
         if any(w in name.lower() for w in ("vision", "visual", "vit", "image", "audio")):
             continue
         n = sum(p.numel() for p in mod.parameters())
-        if n > best_n and all(type(m) is type(mod[0]) for m in mod) and \
-                any(isinstance(m, torch.nn.Linear) for m in mod[0].modules()):
+        # layers may mix classes (Mllama: self- and cross-attention layers)
+        if n > best_n and any(isinstance(m, torch.nn.Linear) for m in mod[0].modules()):
             best, best_n = (name, mod), n
     if best is None:
         raise ModelConfigError("the model has no list of decoder layers oomless can read")
