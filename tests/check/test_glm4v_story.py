@@ -79,3 +79,14 @@ def test_batch_1_is_within_15_percent_of_the_readme():
     train_peak = max(r.phase_device_bytes[p] for p in ("forward", "backward"))
     assert abs(train_peak - README_LORA_BYTES) <= 0.15 * README_LORA_BYTES
     assert train_peak < 80 * GiB
+
+
+def test_a_regex_target_is_refused_with_what_settles_it(tmp_path, capsys):
+    from oomless.cli import main
+
+    path = tmp_path / "lora.yaml"
+    path.write_text(YAML.read_text().replace('target_modules: ["query_key_value"]',
+                                             'target_modules: ".*query_key_value"'))
+    assert main(["check", str(path), "--model", "glm-4v-9b", "--gpu", "a100-80gb"]) == 2
+    err = capsys.readouterr().err
+    assert "regular expression" in err and "re.fullmatch" in err and "as a list" in err

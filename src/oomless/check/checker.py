@@ -170,6 +170,13 @@ def _lora_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> Non
     from ..memory.states import lora_targets
 
     targets = (run.get("lora") or {}).get("targets")
+    if isinstance(targets, str) and targets != "all-linear":
+        raise ConfigError(
+            f"LoRA target_modules is a regular expression ('{targets}'): PEFT matches it with "
+            "re.fullmatch against every full module name, vision tower included, and oomless "
+            "cannot tell from the file which of "
+            f"{spec.name}'s layers that reaches. Write the module names as a list (e.g. "
+            "[\"q_proj\", \"v_proj\"]) or 'all-linear' to have it checked.")
     if not isinstance(targets, list):
         return
     kept = []
