@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install demo test test-all bench lint clean
+.PHONY: install demo test test-slow test-all bench lint clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest
+
+# The longer checks: several processes, kill -9 and resume, version sweeps. CI runs them
+# after `make test`.
+test-slow: install
+	$(PY) -m pytest -m "slow and not gpu"
 
 test-all: install
 	$(PY) -m pytest -m "not gpu"

@@ -7,7 +7,7 @@ of every row, and compares the figure that matches the measured counter:
 
 - reserved → peak_reserved_bytes; allocated → peak_allocated_bytes (HF generate:
   weights + KV cache + activations + logits); vLLM's profiler → weights + non-torch +
-  activation peak; unknown and limits → device_peak_bytes (a limit row compares with the
+  activation peak (vllm-non-kv) or the KV cache the budget leaves (vllm-kv), per GPU; unknown and limits → device_peak_bytes (a limit row compares with the
   card's memory: the configuration was the longest that fitted).
 
 Error = predicted / measured − 1 (negative: under-estimate). Writes
@@ -71,6 +71,8 @@ def predicted_bytes(row: dict, out: dict) -> tuple[int, int | None, int | None]:
         return point, None, None
     if kind == "vllm-non-kv":
         return out["weights_bytes"] + out["profile_peak_bytes"] + out["non_torch_bytes"], None, None
+    if kind == "vllm-kv":
+        return out["kv_cache_bytes"], None, None
     field = {"reserved": "peak_reserved_bytes", "allocated": "peak_allocated_bytes",
              "device": "device_peak_bytes"}[kind]
     point = out[field]

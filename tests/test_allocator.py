@@ -204,3 +204,34 @@ def test_invariants_on_random_streams(sizes, expandable, max_split):
     assert alloc.allocated_bytes == 0
     alloc.empty_cache()
     assert alloc.reserved_bytes == 0  # every segment merged back and was released
+
+
+GC = {"capacity_bytes": 100 * MiB, "garbage_collection_threshold": 0.5,
+      "memory_fraction_set": True}
+
+
+def test_garbage_collection_releases_blocks_older_than_average():
+    # A 30 MiB and B 40 MiB cached; each failed lookup ages them (A twice, B once).
+    # D 50 MiB: reserved 70 > 0.5 × 100 → GC frees blocks with age ≥ 1.5: only A,
+    # which reclaims the 20 MiB excess; D then gets a new segment without a retry
+    r = run([30 * MiB, -1, 40 * MiB, -2, 50 * MiB], **GC)
+    assert r.final_reserved_bytes == 90 * MiB and r.num_alloc_retries == 0
+    # without GC the 120 MiB do not fit: every cached segment is freed and retried
+    r = run([30 * MiB, -1, 40 * MiB, -2, 50 * MiB], capacity_bytes=100 * MiB)
+    assert r.final_reserved_bytes == 50 * MiB and r.num_alloc_retries == 1
+
+
+def test_garbage_collection_needs_the_memory_fraction():
+    # PyTorch runs it only under set_per_process_memory_fraction (set_fraction)
+    cfg = {**GC, "memory_fraction_set": False}
+    r = run([30 * MiB, -1, 40 * MiB, -2, 50 * MiB], **cfg)
+    assert r.final_reserved_bytes == 50 * MiB and r.num_alloc_retries == 1
+
+
+def test_garbage_collection_threshold_parsing():
+    cfg = AllocatorConfig.from_conf("garbage_collection_threshold:0.8")
+    assert cfg.garbage_collection_threshold == 0.8
+    assert cfg.describe() == "garbage_collection_threshold:0.8"
+    for bad in ("0", "1.0", "x"):
+        with pytest.raises(ConfigError, match="greater than 0.0 and less than 1.0"):
+            AllocatorConfig.from_conf(f"garbage_collection_threshold:{bad}")

@@ -32,7 +32,7 @@ Reference = Literal["auto", "adapter-off", "separate", "precomputed"]
 # The software that runs the training step: each stack's memory-relevant behaviours
 # are listed in docs/stacks.md.
 Stack = Literal["hf-trainer", "trl", "llamafactory", "axolotl", "swift", "unsloth",
-                "custom-loop"]
+                "custom-loop", "torchtune"]
 
 
 class _Section(BaseModel):
@@ -90,7 +90,32 @@ class StackOptions(_Section):
     upcast_lmhead_output: bool = Field(False, description="LLaMA-Factory upcast_lmhead_output")
     offload_checkpoints: bool = Field(False, description="checkpointed layer inputs kept in "
                                       "host RAM (LLaMA-Factory use_unsloth_gc, Unsloth's "
-                                      "'unsloth' gradient checkpointing)")
+                                      "'unsloth' gradient checkpointing, torchtune's "
+                                      "enable_activation_offloading)")
+    optimizer_in_bwd: bool = Field(False, description="torchtune optimizer_in_bwd: each "
+                                   "parameter is stepped and its gradient freed inside the "
+                                   "backward")
+    chunked_loss: bool | None = Field(None, description="torchtune: a chunked cross-entropy "
+                                      "(CEWithChunkedOutputLoss / LinearCrossEntropyLoss) "
+                                      "instead of torch's (null: the recipes' default, chunked)")
+
+
+class DeepSpeedConfig(_Section):
+    """DeepSpeed ``zero_optimization`` values that size ZeRO's own buffers
+    (memory/zero_buffers.py). null: transformers' "auto" (what oomless writes);
+    a DeepSpeed JSON's keys that are absent take DeepSpeed's defaults."""
+
+    reduce_bucket_size: int | None = Field(None, gt=0, description="elements per gradient "
+                                           "staging bucket (null: hidden², HF auto)")
+    allgather_bucket_size: int = Field(500_000_000, gt=0, description="ZeRO-1/2 all-gather "
+                                       "chunk (no buffer of its own)")
+    stage3_prefetch_bucket_size: int | None = Field(
+        None, ge=0, description="ZeRO-3 parameters prefetched ahead (null: 0.9·hidden²)")
+    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0,
+                                            description="ZeRO-3 gathered parameters at most")
+    contiguous_gradients: bool = True
+    overlap_comm: bool | None = Field(None, description="null: DeepSpeed's default (on for "
+                                      "ZeRO-3 only); on doubles ZeRO-1/2's staging buffer")
 
 
 class HardwareConfig(_Section):
@@ -227,6 +252,7 @@ class RunConfig(_Section):
     attn: Attention = "sdpa"
     zero: Literal[0, 1, 2, 3] = 0
     offload: Offload = "none"
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     hardware: HardwareConfig = HardwareConfig()
     vision: VisionConfig = VisionConfig()
     rlhf: RlhfConfig = RlhfConfig()

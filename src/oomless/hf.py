@@ -16,6 +16,8 @@ What it adds (details in docs/hf.md):
   for later steps; the effective batch never changes; several ranks agree
   and split together;
 - an evaluation or prediction OOM halves only the eval batch;
+- each recovery is one line on stderr (above tqdm's bar), and the end of the
+  training prints a summary of what was changed;
 - ``OUTPUT_DIR/oomless/memlog.jsonl`` and ``events.jsonl`` (``oomless report``
   reads them), and a preflight estimate at the start that warns, or stops
   before step 1 with ``preflight="refuse"``;

@@ -179,13 +179,18 @@ def run_cli(*argv):
 
 def test_unknown_keys_are_warnings_that_name_key_line_and_similar_keys(tmp_path):
     path = tmp_path / "lf.yaml"
-    path.write_text(LF_YAML.replace("lora_target: all", "lora_target: all\nlora_rnak: 16"))
+    path.write_text(LF_YAML.replace("lora_target: all", "lora_target: all\nlogging_stpes: 16"))
     proc = run_cli("check", str(path), "--gpu", "4090")
     assert proc.returncode in (0, 1) and "Traceback" not in proc.stderr
-    assert f"{path}:9: unknown key 'lora_rnak'" in proc.stdout
-    assert "similar: 'lora_rank' (LLaMA-Factory 0.8.3..0.9.5)" in proc.stdout
+    assert f"{path}:9: unknown key 'logging_stpes'" in proc.stdout
+    assert "similar: 'logging_steps'" in proc.stdout
     proc = run_cli("check", str(path), "--gpu", "4090", "--strict")
-    assert proc.returncode == 2 and f"{path}:9: unknown key 'lora_rnak'" in proc.stderr
+    assert proc.returncode == 2 and f"{path}:9: unknown key 'logging_stpes'" in proc.stderr
+    # an unknown key that may change the method is not a warning: check cannot tell
+    path.write_text(LF_YAML.replace("lora_target: all", "lora_target: all\nlora_rnak: 16"))
+    proc = run_cli("check", str(path), "--gpu", "4090")
+    assert proc.returncode == 2 and "can't tell the method: unknown key 'lora_rnak'" in proc.stderr
+    assert "--method" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     ds = tmp_path / "ds.json"
     ds.write_text('{\n  "zero_optimization": {\n    "stage": 2,\n    "stagee": 3\n  }\n}\n')
     ta = tmp_path / "ta.json"

@@ -153,9 +153,10 @@ def test_accelerate_config_gives_processes_and_sharding():
 
 
 def test_every_reading_validates_as_a_run_configuration():
-    for path in sorted(CORPUS.glob("*/*")):
-        if path.suffix in (".json",) or path.name in ("README.md",) or "deepspeed" in path.name \
-                or "fsdp" in path.name and path.parent.name != "axolotl":
+    for path in sorted(p for p in CORPUS.rglob("*") if p.is_file()):
+        arguments_file = path.parent.name == "firefly" and "sft" in path.name
+        if path.suffix in (".json",) and not arguments_file or path.name in ("README.md",) \
+                or "deepspeed" in path.name or "fsdp" in path.name and path.parent.name != "axolotl":
             continue
         run = read_files(CheckOptions(files=(str(path),), model="qwen2.5-7b-instruct")).run
         if run["method"] == "qlora" and run["zero"] == 3:

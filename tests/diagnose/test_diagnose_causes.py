@@ -201,6 +201,21 @@ def test_vllm_no_kv_cache_when_the_weights_alone_fill_the_gpu():
     # 5.43 GiB of weights + 1.42 GiB of activations do not fit 6 GiB at any utilization
     assert "gpu_memory_utilization" not in codes(f.fixes)
     assert "quantize" in codes(f.fixes)
+    tp = next(x for x in f.fixes if x.code == "tensor_parallel_size")
+    assert tp.changes == {"tensor_parallel_size": 2}  # what `estimate --inference` takes
+
+
+def test_the_tensor_parallel_fix_is_expressible_by_estimate(capsys):
+    """The serving fix names vLLM's own setting; estimate --inference sizes it."""
+    from oomless.cli import main
+
+    f = finding("vllm_no_kv_cache.log")
+    tp = next(x for x in f.fixes if x.code == "tensor_parallel_size")
+    flag = "--" + next(iter(tp.changes)).replace("_", "-")
+    assert main(["estimate", "qwen2.5-7b-instruct", "--inference", "--gpu", "l4x2",
+                 flag, str(tp.changes["tensor_parallel_size"]), "--max-model-len", "2048",
+                 "--json"]) == 0
+    assert '"tensor_parallel_size": 2' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name, fix_code", [

@@ -52,6 +52,10 @@ def test_trl_sft_trainer_oom_keeps_the_training(tiny_model_dir, rows, tmp_path):
                                  abs=1e-5)
     assert_same_weights(weights(plain.model), weights(hit.model))
     assert hit.model.is_gradient_checkpointing  # micro batch 1 ran out of memory too
+    # TRL adds each compute_loss call's tokens to num_tokens: the redone step counts once
+    tokens = [[e["num_tokens"] for e in t.state.log_history if "num_tokens" in e]
+              for t in (plain, hit)]
+    assert tokens[1] == tokens[0] and len(tokens[0]) == 3
 
 
 def _dpo(tiny_model_dir, out, inject=None):

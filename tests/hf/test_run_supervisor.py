@@ -171,6 +171,7 @@ def never_died(tiny_model_dir, tmp_path_factory):
     return root / "out"
 
 
+@pytest.mark.slow  # several processes or kill/resume: in CI's slow run
 def test_a_script_that_dies_of_oom_is_relaunched_from_its_checkpoint(
         never_died, tiny_model_dir, tmp_path, monkeypatch):
     from oomless.cli import main

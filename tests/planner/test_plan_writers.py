@@ -39,7 +39,7 @@ VLLM_ENGINE_ARGS = frozenset({
     "max_num_batched_tokens", "max_num_seqs", "max_logprobs", "revision", "quantization",
     "enforce_eager", "enable_lora", "max_loras", "max_lora_rank", "fully_sharded_loras",
     "max_cpu_loras", "lora_dtype", "enable_chunked_prefill", "generation_config",
-    "disable_log_stats",
+    "disable_log_stats", "distributed_executor_backend",
 })
 
 CASES = {
@@ -212,3 +212,16 @@ def test_vllm_json_uses_engine_args_names(written):
     if cfg.method != "full":
         assert args["max_lora_rank"] >= cfg.lora.r
         assert args["max_lora_rank"] in (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def test_vllm_json_splits_a_model_over_gpus_when_one_cannot_hold_it():
+    from oomless.models.hardware import Cluster, get_gpu
+    from oomless.planner.writers import vllm_engine_args
+
+    spec = resolve_model("qwen2.5-32b").spec
+    cfg = RunConfig(model="qwen2.5-32b", method="lora", seq_len=2048)
+    args = vllm_engine_args(cfg, spec, Cluster(get_gpu("l40s"), 4), "Qwen/Qwen2.5-32B-Instruct")
+    assert args["tensor_parallel_size"] == 2 and args["data_parallel_size"] == 2
+    assert set(args) <= VLLM_ENGINE_ARGS
+    one = vllm_engine_args(cfg, spec, Cluster(get_gpu("a100-80gb"), 4), "Qwen/Qwen2.5-32B-Instruct")
+    assert "tensor_parallel_size" not in one  # fits one GPU: one GPU per engine

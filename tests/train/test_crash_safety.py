@@ -127,6 +127,7 @@ def _config_file(run_config, tmp_path: Path, name: str) -> tuple[Path, Path]:
     return path, Path(cfg.training.output_dir)
 
 
+@pytest.mark.slow  # several processes or kill/resume: in CI's slow run
 def test_killed_inside_checkpoint_and_final_writes_resumes_exactly(reference, run_config,
                                                                    tmp_path):
     cfg_file, run_dir = _config_file(run_config, tmp_path, "points")
@@ -140,6 +141,7 @@ def test_killed_inside_checkpoint_and_final_writes_resumes_exactly(reference, ru
     _assert_equals_reference(reference, run_dir)
 
 
+@pytest.mark.slow  # several processes or kill/resume: in CI's slow run
 def test_two_runs_into_one_folder_one_trains_the_other_names_it(reference, run_config,
                                                                 tmp_path):
     cfg_file, run_dir = _config_file(run_config, tmp_path, "race")

@@ -55,7 +55,7 @@ def test_an_estimate_over_http_is_the_adapter_estimate(server_url, workspace):
     ("api/estimate", {"model": "llama-9000", "gpu": "rtx-4090"}, "unknown model 'llama-9000'"),
     ("api/estimate", {"model": "qwen2.5-7b-instruct", "gpu": "rtx-9999"}, "unknown GPU"),
     ("api/estimate", {"model": "qwen2.5-7b-instruct", "batch_size": "many"},
-     "'batch_size': expected a number"),
+     "argument --batch-size: expected a whole number, got 'many'"),
     ("api/check", {"files": [{"name": "t.yaml", "text": "a: [b\n"}], "gpu": "t4"},
      "'t.yaml' is not valid YAML"),
     ("api/diagnose", {"log": "all good\n"}, None),

@@ -22,7 +22,7 @@ from oomless.config import RunConfig
 from oomless.diagnose import NO_EVENT
 from oomless.errors import ConfigError, ModelConfigError, OomlessError, UnknownModelError
 from oomless.fileio import OutputFolder
-from oomless.ui import service
+from oomless.ui import planning, runs, service
 
 
 def cli_error(capsys, *argv: str) -> str:
@@ -167,7 +167,7 @@ def test_plan_files_are_the_files_plan_out_writes(workspace, tmp_path, capsys):
     capsys.readouterr()
     assert main(["plan", "qwen2.5-7b-instruct", "--gpu", "rtx-4090 x2", "--seq-len", "1024",
                  "--out", str(out)]) == 0
-    view = service.plan_view(workspace, {"model": "qwen2.5-7b-instruct", "gpu": "rtx-4090",
+    view = planning.plan_view(workspace, {"model": "qwen2.5-7b-instruct", "gpu": "rtx-4090",
                                          "gpus": 2, "seq_len": 1024})
     assert view["plans"], "a 7B model fits two RTX 4090s"
     best = view["plans"][0]["files"]
@@ -180,7 +180,7 @@ def test_plan_files_are_the_files_plan_out_writes(workspace, tmp_path, capsys):
 
 
 def test_nothing_fits_is_an_answer_not_an_error(workspace):
-    view = service.plan_view(workspace, {"model": "qwen2.5-72b-instruct", "gpu": "t4",
+    view = planning.plan_view(workspace, {"model": "qwen2.5-72b-instruct", "gpu": "t4",
                                          "seq_len": 32768, "method": "full"})
     assert view["plans"] == [] and view["misses"]
 
@@ -248,7 +248,7 @@ def test_a_missing_run_folder_gets_the_cli_message(capsys, tmp_path):
     missing = str(tmp_path / "no-such-run")
     expected = cli_error(capsys, "report", missing)
     with pytest.raises(OomlessError) as caught:
-        service.report_view({"path": missing})
+        runs.report_view({"path": missing})
     assert str(caught.value) == expected
 
 

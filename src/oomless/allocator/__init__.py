@@ -18,10 +18,17 @@ stream:
 - when a new segment does not fit in ``capacity_bytes``: free oversize cached
   blocks and retry, then free every unsplit cached block and retry, then OOM;
 - ``expandable_segments``: one growing segment per pool, mapped in 2 MiB
-  (small) / 20 MiB (large) pages; any block splits when ≥ 512 B remain.
+  (small) / 20 MiB (large) pages; any block splits when ≥ 512 B remain;
+- ``garbage_collection_threshold`` (``garbage_collect_cached_blocks``): with
+  the process's memory fraction set, before a new segment is requested, unsplit
+  cached large blocks at least as old as the average (in ``get_free_block``
+  calls) are released until reserved memory is back under the threshold.
+
+A training run, not one step: ``oomless.allocator.stepstream`` scales a traced
+step's stream to any length and ``oomless.allocator.run`` replays many steps.
 
 Not modelled: several streams (training runs on one), CUDA graphs' private
-pools, ``garbage_collection_threshold``. ``allocated`` counts block sizes, as
+pools. ``allocated`` counts block sizes, as
 ``torch.cuda.memory_allocated`` does, so an unsplit 20 MiB block serving a
 19.5 MiB request counts 20 MiB.
 """

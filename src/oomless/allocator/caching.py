@@ -21,7 +21,7 @@ from .config import (
 
 class _Block:
     __slots__ = ("size", "addr", "allocated", "prev", "next", "small", "mapped", "segment",
-                 "requested")
+                 "requested", "gc_count")
 
     def __init__(self, size: int, addr: int, small: bool, segment: _Segment):
         self.size = size
@@ -33,6 +33,7 @@ class _Block:
         self.prev: _Block | None = None
         self.next: _Block | None = None
         self.requested = 0
+        self.gc_count = 0  # get_free_block calls since the block was last used
 
     @property
     def is_split(self) -> bool:
@@ -86,6 +87,12 @@ class CachingAllocator:
         self.num_device_free = 0
         self._next_addr = 1 << 40
         self._max_split = self.config.max_split_size_bytes or (1 << 62)
+        # garbage_collection_threshold acts only under set_per_process_memory_fraction
+        # (``set_fraction`` in the allocator); the allowed maximum is then the capacity
+        self._gc_enabled = bool(self.config.garbage_collection_threshold
+                                and self.config.memory_fraction_set
+                                and self.config.capacity_bytes is not None)
+        self.num_gc_releases = 0
 
     # ---- public ------------------------------------------------------------
     def malloc(self, orig_size: int) -> _Block:
@@ -93,6 +100,8 @@ class CachingAllocator:
         pool = self.small_pool if size <= SMALL_SIZE_BYTES else self.large_pool
         block = self._get_free_block(pool, size)
         if block is None:
+            if self._gc_enabled:
+                self._garbage_collect_cached_blocks()
             block = (
                 self._alloc_block(pool, size)
                 or (self._release_available_cached_blocks(pool, size)
@@ -118,6 +127,9 @@ class CachingAllocator:
 
     # ---- finding and splitting blocks ---------------------------------------
     def _get_free_block(self, pool: _Pool, size: int) -> _Block | None:
+        if self._gc_enabled:  # track block reuse intervals only when GC is on
+            for cached in pool.blocks.values():
+                cached.gc_count += 1
         i = bisect.bisect_left(pool.keys, (size, -1))
         if i == len(pool.keys):
             return None
@@ -137,6 +149,7 @@ class CachingAllocator:
         if size >= self._max_split and block.size >= size + LARGE_BUFFER_BYTES:
             return None  # an oversized block may be rounded up, but only by 20 MiB
         pool.remove(block)
+        block.gc_count = 0
         return block
 
     def _should_split(self, block: _Block, size: int) -> bool:
@@ -229,6 +242,32 @@ class CachingAllocator:
             released += k[0]
             self._release_block(pool.blocks[k], pool)
         return released >= key
+
+    def _garbage_collect_cached_blocks(self) -> None:
+        """``garbage_collect_cached_blocks``: above threshold × allowed maximum, release
+        unsplit cached large blocks at least as old as the average, oldest rounds
+        first, until the excess is reclaimed (the whole round finishes)."""
+        allowed = self.config.capacity_bytes or 0
+        gc_threshold = int(self.config.garbage_collection_threshold * allowed)
+        if self.reserved_bytes <= gc_threshold:
+            return
+        target, reclaimed = self.reserved_bytes - gc_threshold, 0
+        pool = self.large_pool
+        freeable = [b for b in pool.blocks.values()
+                    if not b.is_split and not b.segment.expandable]
+        total_age = sum(b.gc_count for b in freeable)
+        freed = True
+        while reclaimed < target and freed and freeable:
+            age_threshold = total_age / len(freeable)
+            freed = False
+            for block in [pool.blocks[k] for k in pool.keys]:
+                if block in freeable and block.gc_count >= age_threshold:
+                    freed = True
+                    reclaimed += block.size
+                    total_age -= block.gc_count
+                    freeable.remove(block)
+                    self._release_block(block, pool)
+                    self.num_gc_releases += 1
 
     def _release_cached_blocks(self) -> bool:
         """Free every unsplit cached segment; unmap free pages of expandable ones."""

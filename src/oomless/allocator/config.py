@@ -54,6 +54,10 @@ class AllocatorConfig:
     expandable_segments: bool = False
     roundup_power2_divisions: int = 0
     capacity_bytes: int | None = None
+    garbage_collection_threshold: float = 0.0
+    # torch.cuda.set_per_process_memory_fraction was called: the only case in which
+    # PyTorch's allocator runs its garbage collection (``set_fraction``)
+    memory_fraction_set: bool = False
 
     @classmethod
     def from_conf(cls, text: str | None, capacity_bytes: int | None = None) -> AllocatorConfig:
@@ -74,14 +78,17 @@ class AllocatorConfig:
                 opts["max_split_size_bytes"] = mb * MiB
             elif key == "roundup_power2_divisions" and not value.startswith("["):
                 opts["roundup_power2_divisions"] = _int_option(key, value)
-            elif key in ("garbage_collection_threshold", "backend", "release_lock_on_cudamalloc",
+            elif key == "garbage_collection_threshold":
+                opts["garbage_collection_threshold"] = _gc_threshold(value)
+            elif key in ("backend", "release_lock_on_cudamalloc",
                          "pinned_use_cuda_host_register", "pinned_num_register_threads",
                          "roundup_power2_divisions"):
                 continue  # accepted by PyTorch, not modelled here
             else:
                 raise ConfigError(
                     f"PYTORCH_CUDA_ALLOC_CONF: unknown option '{key}'; expected "
-                    "expandable_segments, max_split_size_mb or roundup_power2_divisions"
+                    "expandable_segments, max_split_size_mb, roundup_power2_divisions or "
+                    "garbage_collection_threshold"
                 )
         return cls(**opts)
 
@@ -93,6 +100,8 @@ class AllocatorConfig:
             parts.append(f"max_split_size_mb:{self.max_split_size_bytes // MiB}")
         if self.roundup_power2_divisions:
             parts.append(f"roundup_power2_divisions:{self.roundup_power2_divisions}")
+        if self.garbage_collection_threshold:
+            parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold:g}")
         return ",".join(parts) or "default"
 
 
@@ -103,6 +112,20 @@ def _int_option(key: str, value: str) -> int:
         raise ConfigError(
             f"PYTORCH_CUDA_ALLOC_CONF: '{key}' needs an integer, got '{value}'"
         ) from None
+
+
+def _gc_threshold(value: str) -> float:
+    """PyTorch accepts a fraction strictly between 0 and 1 (``parseGarbageCollectionThreshold``)."""
+    try:
+        threshold = float(value)
+    except ValueError:
+        threshold = -1.0
+    if not 0.0 < threshold < 1.0:
+        raise ConfigError(
+            f"PYTORCH_CUDA_ALLOC_CONF: garbage_collection_threshold:{value} is not a fraction; "
+            "PyTorch requires a value greater than 0.0 and less than 1.0, e.g. 0.8"
+        )
+    return threshold
 
 
 def round_size(size: int, divisions: int = 0) -> int:

@@ -32,9 +32,10 @@ from ..result import TRAIN_PHASES
 from . import foreign_keys as K
 from .reading import ReadOptions, edits_for, read_sources
 from .rules import RuleContext, allowed_shardings, broken_rules, config_warnings
+from .scripts.decide import settle
 from .settings import apply_data, unmodelled_settings
 from .sources import Reading, load_source, source_from_text
-from .textedit import set_value, unified_diff
+from .textedit import new_file_diff, set_value, unified_diff
 
 CANDIDATES = 40  # planner candidates tried against the rules, smallest change first
 
@@ -77,7 +78,8 @@ class CheckResult:
     warnings: list[str] = field(default_factory=list)  # keys no version of the tool knows
     refused: list[str] = field(default_factory=list)  # candidate fixes a rule refused
     assumptions: list[str] = field(default_factory=list)
-    lora_reach: str = ""  # where the LoRA targets land (memory.vision.lora_reach)
+    task: str = "train"  # or what a file that does not train runs (check/tasks.py TASKS)
+    lora_reach: str = ""  # where the LoRA targets land (memory.states.lora_reach)
 
     @property
     def fits(self) -> bool:
@@ -144,6 +146,8 @@ def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: Mod
     run = dict(reading.run)
     if opts.model:
         run["model"] = opts.model
+    if reading.facts.get("deepspeed") and "deepspeed" not in run:
+        run["deepspeed"] = reading.facts["deepspeed"]  # the DeepSpeed file's ZeRO buffers
     if run.get("precision") == "bf16" and not cluster.gpu.bf16:
         run["precision"] = "fp16"  # bf16: auto / a card without bf16: the tools fall back
     if run.get("method") == "qlora" and run.get("zero") == 3:
@@ -167,11 +171,12 @@ def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: Mod
 def _lora_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> None:
     """Keep the LoRA targets that are linears of the language model's layers (a target
     in the vision tower or the projector is said, not counted)."""
+    from ..errors import CannotTellError
     from ..memory.states import lora_targets
 
     targets = (run.get("lora") or {}).get("targets")
     if isinstance(targets, str) and targets != "all-linear":
-        raise ConfigError(
+        raise CannotTellError(
             f"LoRA target_modules is a regular expression ('{targets}'): PEFT matches it with "
             "re.fullmatch against every full module name, vision tower included, and oomless "
             "cannot tell from the file which of "
@@ -220,7 +225,9 @@ def apply_edits(reading: Reading, edits: list) -> dict[str, str]:
 def _reread(reading: Reading, texts: dict[str, str], opts: CheckOptions) -> Reading:
     edited = [source_from_text(src.path, src.role, texts[role])
               for role, src in reading.sources.items()]
-    return read_sources(edited, ReadOptions(opts.model, opts.method, opts.seq_len))
+    back = read_sources(edited, ReadOptions(opts.model, opts.method, opts.seq_len))
+    settle(back, opts)
+    return back
 
 
 def diff_name(path: Path) -> str:
@@ -258,10 +265,20 @@ _BATCH_KEYS = {"micro_batch_size", "grad_accum"}
 
 def _written(s: _Search, plan: Any) -> tuple[dict[str, str], dict[str, str]] | None:
     """The plan as edits of the files (diffs, new texts), read back to make sure the
-    edited files say what the plan says; None when the format cannot write the batch."""
+    edited files say what the plan says; None when the format cannot write the batch.
+    A DeepSpeed file the fix points to and the checkout lacks is a new file here
+    (check/dsfiles.py deepspeed_ref), read back with the edited configuration."""
+    from .dsfiles import PENDING
+
     new = plan.run_config()
+    s.reading.facts["new_files"] = {}
     texts = apply_edits(s.reading, edits_for(s.reading, new, s.cfg, s.spec.model_type))
-    back_reading = _reread(s.reading, texts, s.opts)
+    created: dict[str, str] = s.reading.facts.pop("new_files")
+    token = PENDING.set({Path(p).resolve(): t for p, t in created.items()})
+    try:
+        back_reading = _reread(s.reading, texts, s.opts)
+    finally:
+        PENDING.reset(token)
     back = run_config(apply_data(back_reading, s.opts, s.spec), s.opts, s.cluster, s.spec)
     wrong = {k for k, _l, _w in PLAN_KNOBS if _get(back, k) != _get(new, k)}
     if wrong and wrong <= _BATCH_KEYS and s.reading.facts.get("batch_not_in_file"):
@@ -274,6 +291,9 @@ def _written(s: _Search, plan: Any) -> tuple[dict[str, str], dict[str, str]] | N
         if texts[role] != src.text:
             diffs[str(src.path)] = unified_diff(src.text, texts[role], diff_name(src.path))
             new_texts[str(src.path)] = texts[role]
+    for path, text in created.items():
+        diffs[path] = new_file_diff(text, diff_name(Path(path)))
+        new_texts[path] = text
     return diffs, new_texts
 
 
@@ -309,14 +329,43 @@ def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
                              "(--model)")
     try:
         return resolve_model(str(model)).spec
-    except UnknownModelError:
+    except UnknownModelError as err:
         entry = find_entry(Path(str(model)).name)
         if entry is None or not str(model).startswith((".", "/", "~")):
-            raise
+            if opts.model:
+                raise
+            raise UnknownModelError(f"the file names the model '{model}', which oomless "
+                                    "cannot resolve: pass --model NAME (a catalog model of the "
+                                    f"same architecture) or --model path/to/config.json. {err}"
+                                    ) from None
     reading.notes.append(f"'{model}' is not on this machine: read as the catalog model "
                          f"{entry.name} of the same name (--model to choose another)")
     reading.run["model"] = entry.name
     return entry.spec
+
+
+def check_task(src: Any, task: str, opts: CheckOptions) -> CheckResult:
+    """``oomless check`` of a file that does not train (check/tasks.py): the memory of
+    what it runs, never a fix."""
+    from ..memory.band import band_bytes
+    from .tasks import LABELS, task_memory
+
+    d = src.data
+    reading = Reading(task, LABELS[task], {"main": src},
+                      {"model": d.get("model" if task == "vllm-serve" else "model_name_or_path")})
+    spec = resolve(reading, opts)
+    cluster = _cluster(opts, {})
+    mem = task_memory(task, d, spec, cluster)
+    total = cluster.gpu.memory_bytes
+    limit, peak = mem["limit"] or total, mem["peak"]
+    low, high = band_bytes(peak)
+    return CheckResult(
+        kind=task, label=LABELS[task], files=[str(src.path)], model=spec.name,
+        hardware=cluster.describe(), config={}, phase_device_bytes={mem["phase"]: peak},
+        device_peak_bytes=peak, peak_phase=mem["phase"], gpu_memory_bytes=limit,
+        budget_bytes=limit if mem["limit"] else int((1 - opts.headroom) * total),
+        oom_phase=mem["phase"] if peak > limit else None, low_bytes=low, high_bytes=high,
+        notes=[*reading.notes, *mem["notes"]], assumptions=mem["assumptions"], task=task)
 
 
 def check(opts: CheckOptions) -> CheckResult:
@@ -324,7 +373,15 @@ def check(opts: CheckOptions) -> CheckResult:
     from ..memory.states import lora_reach
     from ..planner.speed import ASSUMPTIONS
 
+    if len(opts.files) == 1:
+        from .tasks import file_task
+
+        src = load_source(opts.files[0], "main")
+        task = file_task(src)
+        if task != "train":
+            return check_task(src, task, opts)
     reading = read_files(opts)
+    settle(reading, opts)  # "can't tell" unless an option settles it
     spec = resolve(reading, opts)
     cluster = _cluster(opts, reading.run)
     reading = apply_data(reading, opts, spec)

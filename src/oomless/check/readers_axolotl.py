@@ -16,7 +16,7 @@ from typing import Any
 
 from ..config import RunConfig
 from .common import knob_edits, optimizer, pre_quantized_note
-from .dsfiles import AXOLOTL_DEEPSPEED, deepspeed_source
+from .dsfiles import AXOLOTL_DEEPSPEED, deepspeed_ref, deepspeed_source
 from .sources import Reading, Source, check_keys, knob_set
 
 RL_STAGE = {"dpo": "dpo", "ipo": "dpo", "kto": "kto", "orpo": "orpo", "simpo": "simpo"}
@@ -131,5 +131,5 @@ def axolotl_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
     if cfg.attn != old.attn:
         put("flash_attention", cfg.attn == "flash")
     if (cfg.zero, cfg.offload) != (old.zero, old.offload):
-        put("deepspeed", AXOLOTL_DEEPSPEED.get((cfg.zero, cfg.offload)))
+        put("deepspeed", deepspeed_ref(AXOLOTL_DEEPSPEED, cfg.zero, cfg.offload, reading))
     return out

@@ -24,7 +24,7 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from ..knobs import OPTIMIZERS
 from .common import batch_edits, eval_on, grad_ckpt_key, native_targets, optimizer
-from .dsfiles import GLM_DEEPSPEED, deepspeed_source
+from .dsfiles import GLM_DEEPSPEED, deepspeed_ref, deepspeed_source
 from .sources import Reading, Source, check_keys, knob_set
 
 KNOBS_GLM = ("lora", "optimizer", "zero", "eval_batch")
@@ -126,7 +126,7 @@ def glm_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
     if cfg.grad_ckpt != old.grad_ckpt:
         put(reading.facts.get("ckpt_key", "gradient_checkpointing"), cfg.grad_ckpt)
     if (cfg.zero, cfg.offload) != (old.zero, old.offload):
-        put("deepspeed", GLM_DEEPSPEED.get((cfg.zero, cfg.offload)))
+        put("deepspeed", deepspeed_ref(GLM_DEEPSPEED, cfg.zero, cfg.offload, reading))
     if cfg.lora.r != old.lora.r:
         out.append(("main", ("peft_config", "r"), cfg.lora.r))
     if cfg.lora.targets != old.lora.targets:

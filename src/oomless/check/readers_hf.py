@@ -17,7 +17,13 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from ..knobs import OPTIMIZERS
 from .common import HF_KEYS, batch_edits, grad_ckpt_key, hf_eval, knob_edits, optimizer, precision
-from .dsfiles import LLAVA_DEEPSPEED, MOE_LLAVA_DEEPSPEED, deepspeed_source, read_deepspeed
+from .dsfiles import (
+    LLAVA_DEEPSPEED,
+    MOE_LLAVA_DEEPSPEED,
+    deepspeed_ref,
+    deepspeed_source,
+    read_deepspeed,
+)
 from .shellargs import launcher_world_size
 from .sources import Reading, Source, check_keys, knob_set
 
@@ -33,6 +39,31 @@ def _agree(ta: dict, ds: dict, ta_key: str, ds_key: str, default: int) -> int:
     return a if isinstance(a, int) else (b if isinstance(b, int) else default)
 
 
+# DeepSpeed keys the HF Trainer fills from TrainingArguments when they are "auto"
+# (transformers integrations/deepspeed.py HfTrainerDeepSpeedConfig.trainer_config_process)
+AUTO_FROM_ARGS = {("train_micro_batch_size_per_gpu",): "per_device_train_batch_size",
+                  ("gradient_accumulation_steps",): "gradient_accumulation_steps",
+                  ("bf16", "enabled"): "bf16", ("fp16", "enabled"): "fp16"}
+
+
+def _refuse_auto(ds: dict[str, Any], ds_src: Source | None) -> None:
+    """A DeepSpeed file alone whose batch or precision is "auto" does not say them: the
+    Trainer takes them from TrainingArguments that are not given (never a guess)."""
+    auto = []
+    for path, arg in AUTO_FROM_ARGS.items():
+        node: Any = ds
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if node == "auto":
+            auto.append(f"{'.'.join(path)} (← {arg})")
+    if auto and ds_src is not None:
+        raise ConfigError(
+            f"can't tell from '{ds_src.path}' alone: {', '.join(auto)} are \"auto\", which the "
+            "HF Trainer fills from its TrainingArguments; check the DeepSpeed file with the "
+            "TrainingArguments JSON beside it (oomless check args.json ds.json) or check the "
+            "YAML or launch script that points to it")
+
+
 def read_hf_deepspeed(ta_src: Source | None, ds_src: Source | None, model: str | None,
                       method: str | None, seq_len: int | None) -> Reading:
     r = Reading("hf-deepspeed", "DeepSpeed + TrainingArguments JSON", {}, {})
@@ -46,6 +77,8 @@ def read_hf_deepspeed(ta_src: Source | None, ds_src: Source | None, model: str |
     if not model:
         raise ConfigError("DeepSpeed and TrainingArguments JSON do not name the model: pass "
                           "--model (a catalog name, HF id in the local cache or a folder)")
+    if not ta_src:
+        _refuse_auto(ds, ds_src)
     micro = _agree(ta, ds, "per_device_train_batch_size", "train_micro_batch_size_per_gpu", 8)
     accum = _agree(ta, ds, "gradient_accumulation_steps", "gradient_accumulation_steps", 1)
     prec = precision(ta) if ta else (
@@ -86,7 +119,7 @@ def hf_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
                   "gradient_accumulation_steps": "gradient_accumulation_steps"}.get(key)
         if ta:
             out.append(("training_args", (key,), value))
-        if ds and ds_key and (isinstance(ds.data.get(ds_key), int) or not ta):
+        if ds and ds_key and isinstance(ds.data.get(ds_key), int):  # never an "auto"
             out.append(("deepspeed", (ds_key,), value))
 
     batch_edits(cfg, old, put, "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -220,6 +253,6 @@ def launch_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
     if cfg.quantization.bits != old.quantization.bits and cfg.method == "qlora":
         put("bits", cfg.quantization.bits)
     if (cfg.zero, cfg.offload) != (old.zero, old.offload):
-        shipped = reading.facts["shipped_deepspeed"]
-        put("deepspeed", shipped.get((cfg.zero, cfg.offload)))
+        put("deepspeed", deepspeed_ref(reading.facts["shipped_deepspeed"], cfg.zero,
+                                       cfg.offload, reading))
     return out

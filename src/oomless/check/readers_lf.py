@@ -25,7 +25,7 @@ from .common import (
     pre_quantized_note,
     precision,
 )
-from .dsfiles import LF_DEEPSPEED, deepspeed_source
+from .dsfiles import LF_DEEPSPEED, deepspeed_ref, deepspeed_source
 from .sources import Reading, Source, check_keys
 
 STAGES = {"pt": "pt", "sft": "sft", "rm": "rm", "ppo": "ppo", "dpo": "dpo", "kto": "kto"}
@@ -140,7 +140,7 @@ def read_llamafactory(src: Source, model: str | None) -> Reading:
 
 
 def lf_edits(cfg: RunConfig, old: RunConfig, model_type: str,
-             put: Callable[[str, Any], None]) -> None:
+             put: Callable[[str, Any], None], reading: Reading) -> None:
     if (cfg.method, cfg.quantization.bits) != (old.method, old.quantization.bits):
         put("finetuning_type", "full" if cfg.method == "full" else "lora")
         put("quantization_bit", cfg.quantization.bits if cfg.method == "qlora" else None)
@@ -160,7 +160,7 @@ def lf_edits(cfg: RunConfig, old: RunConfig, model_type: str,
     if cfg.attn != old.attn:
         put("flash_attn", ATTENTIONS[cfg.attn].llamafactory)
     if (cfg.zero, cfg.offload) != (old.zero, old.offload):
-        put("deepspeed", LF_DEEPSPEED.get((cfg.zero, cfg.offload)) if cfg.zero else None)
+        put("deepspeed", deepspeed_ref(LF_DEEPSPEED, cfg.zero, cfg.offload, reading))
     batch_edits(cfg, old, put, "per_device_train_batch_size", "gradient_accumulation_steps",
                 "per_device_eval_batch_size")
     if cfg.seq_len != old.seq_len:
@@ -172,7 +172,8 @@ def lf_edits(cfg: RunConfig, old: RunConfig, model_type: str,
 def llamafactory_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
                        model_type: str) -> list[tuple[str, tuple, Any]]:
     out: list[tuple[str, tuple, Any]] = []
-    lf_edits(cfg, old, model_type, lambda key, value: out.append(("main", (key,), value)))
+    lf_edits(cfg, old, model_type, lambda key, value: out.append(("main", (key,), value)),
+             reading)
     return out
 
 
@@ -210,5 +211,5 @@ def weclone_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
     data = reading.sources["main"].data
     out: list[tuple[str, tuple, Any]] = []
     lf_edits(cfg, old, model_type, lambda key, value: out.append(
-        ("main", (_weclone_section(data, key), key), value)))
+        ("main", (_weclone_section(data, key), key), value)), reading)
     return out

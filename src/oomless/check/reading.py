@@ -16,9 +16,16 @@ from ..config import RunConfig
 from ..errors import ConfigError
 from .readers_axolotl import axolotl_edits, read_axolotl
 from .readers_glm import glm_edits, read_glm4
-from .readers_hf import hf_edits, launch_edits, read_hf_deepspeed, read_launch
+from .readers_hf import hf_edits, read_hf_deepspeed
 from .readers_lf import llamafactory_edits, read_llamafactory, read_weclone, weclone_edits
 from .readers_trl import accelerate_edits, apply_accelerate, read_accelerate, read_trl, trl_edits
+from .scripts.reader import (
+    read_json_by_meaning,
+    read_python_script,
+    read_script,
+    script_edits,
+)
+from .scripts.torchtune import read_torchtune, torchtune_edits
 from .sources import Reading, Source, detect_kind
 
 Edits = list[tuple[str, tuple, Any]]
@@ -33,7 +40,8 @@ class ReadOptions:
 
 _ONE_FILE: dict[str, Callable[[Source, str | None], Reading]] = {
     "llamafactory": read_llamafactory, "weclone": read_weclone, "glm4": read_glm4,
-    "trl": read_trl, "axolotl": read_axolotl, "launch": read_launch,
+    "trl": read_trl, "axolotl": read_axolotl, "launch": read_script,
+    "python": read_python_script, "torchtune": read_torchtune,
 }
 
 
@@ -56,6 +64,10 @@ def _read(sources: list[Source], opts: ReadOptions) -> Reading:
                           "TrainingArguments JSON with a DeepSpeed JSON, or a configuration "
                           "with its accelerate config")
     kinds = [detect_kind(s) for s in sources]
+    if kinds == ["training_args"]:
+        by_meaning = read_json_by_meaning(sources[0], opts.model)
+        if by_meaning is not None:
+            return by_meaning
     if set(kinds) <= {"deepspeed", "training_args"}:
         if len(set(kinds)) != len(kinds):
             raise ConfigError(f"two files must be a DeepSpeed JSON and a TrainingArguments "
@@ -103,7 +115,8 @@ def oomless_edits(cfg: RunConfig, old: RunConfig, reading: Reading, model_type: 
 
 _EDITS: dict[str, Callable[[RunConfig, RunConfig, Reading, str], Edits]] = {
     "llamafactory": llamafactory_edits, "weclone": weclone_edits, "glm4": glm_edits,
-    "trl": trl_edits, "axolotl": axolotl_edits, "launch": launch_edits,
+    "trl": trl_edits, "axolotl": axolotl_edits, "launch": script_edits,
+    "python": lambda *a: [], "torchtune": torchtune_edits,
     "hf-deepspeed": hf_edits, "accelerate": accelerate_edits, "oomless": oomless_edits,
 }
 

@@ -37,6 +37,7 @@ class Source:
     data: dict[str, Any]
     lines: dict[str, int]
     command: LaunchCommand | None = None  # launch scripts: the parsed command
+    undecided: dict[str, int] = field(default_factory=dict)  # Python: non-literal settings
 
     def where(self, key: str) -> str:
         line = self.lines.get(key)
@@ -93,6 +94,11 @@ def source_from_text(path: Path, role: str, text: str) -> Source:
     suffix = path.suffix.lower()
     if suffix in (".json", ".jsonc", ".json5"):
         return _json_source(path, role, text)
+    if suffix == ".py":
+        from .scripts.pyscript import read_python
+
+        data, lines, undecided = read_python(text, str(path))
+        return Source(role, path, text, "py", data, lines, undecided=undecided)
     if suffix in (".sh", ".bash") or text.startswith("#!"):
         return _shell_source(path, role, text)
     from ..config import parse_yaml_with_lines
@@ -130,7 +136,23 @@ def check_keys(src: Source, file_kind: str, prefix: str = "", skip: frozenset[st
     if reading is not None:
         reading.warnings.extend(report.warnings)
         reading.notes.extend(report.notes)
+        _undecided_keys(keys, file_kind, reading)
     return report.warnings
+
+
+def _undecided_keys(keys: dict[str, str], file_kind: str, reading: Reading) -> None:
+    """Unknown keys whose names speak of the method, the length or the GPU count: check
+    cannot tell what they do (oomless.check.scripts.decide settles or refuses)."""
+    from .scripts.flags import undecided
+
+    tools = K.FILE_TOOLS[file_kind]
+    unknown = {dotted: where for dotted, where in keys.items()
+               if not any(dotted.rsplit(".", 1)[-1] in K.TOOLS[t]["keys"] for t in tools)}
+    for item in undecided(unknown):
+        entry = {"what": f"unknown key '{item['key']}'", "where": item["where"], "topic": item["topic"],
+                 "settles": item["settles"]}
+        if entry not in reading.facts.setdefault("undecided", []):
+            reading.facts["undecided"].append(entry)
 
 
 _LF_KEYS = {"finetuning_type", "cutoff_len", "stage", "template", "lora_target", "dataset_dir",
@@ -146,6 +168,8 @@ _WECLONE_SECTIONS = {"train_sft_args", "train_pt_args", "common_args"}
 
 def _yaml_kind(d: dict[str, Any]) -> str | None:
     keys = set(d)
+    if isinstance(d.get("model"), dict) and "_component_" in d["model"]:
+        return "torchtune"
     if {"training_args", "data_config", "peft_config", "max_input_length"} & keys:
         return "glm4"
     if len(_AXOLOTL_KEYS & keys) >= 2:
@@ -171,6 +195,8 @@ def detect_kind(src: Source) -> str:
     kind: str | None = None
     if src.fmt == "sh":
         kind = "launch"
+    elif src.fmt == "py":
+        kind = "python"
     elif src.fmt == "json":
         if _WECLONE_SECTIONS & set(d):
             kind = "weclone"

@@ -24,6 +24,13 @@ def unified_diff(old: str, new: str, name: str) -> str:
                    for line in lines)
 
 
+def new_file_diff(text: str, name: str) -> str:
+    """The unified diff that creates ``name`` with ``text`` (``patch -p1`` creates it)."""
+    lines = text.splitlines(keepends=True)
+    body = "".join("+" + line for line in lines)
+    return f"--- /dev/null\n+++ b/{name}\n@@ -0,0 +1,{len(lines)} @@\n{body}"
+
+
 # ---- YAML -----------------------------------------------------------------------
 def yaml_scalar(value: Any) -> str:
     """One-line YAML for a value (flow style for lists and mappings)."""

@@ -52,6 +52,86 @@ def number(low: float = 0.0, high: float = MAX_NUMBER, low_open: bool = False,
     return parse
 
 
+def lengths_list(text: str) -> list[int]:
+    """An argparse type: token lengths, as samples (180,420,768: each equally frequent)
+    or as percentiles of the data (p50=180,p90=420,max=768: 1000 samples, each as long
+    as the next percentile given, an upper bound of its length)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        if any("=" in p for p in parts):
+            return _percentile_samples(parts)
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected token lengths such as 180,420,768 or percentiles such as "
+            f"p50=180,p90=420,max=768, got {text!r}")
+    return values
+
+
+def _percentile_samples(parts: list[str]) -> list[int]:
+    points = []
+    for part in parts:
+        key, _, value = part.partition("=")
+        key = key.strip().lower()
+        q = 100.0 if key == "max" else float(key.removeprefix("p"))
+        if not key.startswith("p") and key != "max" or not 0 < q <= 100 or int(value) < 1:
+            raise ValueError(part)
+        points.append((q, int(value)))
+    points.sort()
+    if points[-1][0] != 100 or any(b[1] < a[1] for a, b in zip(points, points[1:], strict=False)):
+        raise ValueError("the percentiles must end with max and grow")
+    out, done = [], 0
+    for q, length in points:
+        count = round(q * 10) - done  # per mille
+        out += [length] * count
+        done += count
+    return out
+
+
+def add_run_sim_options(p: argparse.ArgumentParser, check: bool = False) -> None:
+    """A run over variable-length data through the caching-allocator model (``check``:
+    the command has its own --data, and the run is replayed only with --steps)."""
+    from ..planner.runsim import DEFAULT_STEPS, ORDERS
+
+    g = p.add_argument_group(
+        "a run, not a step: variable-length batches through PyTorch's caching allocator "
+        "(traces the step at three lengths)")
+    if not check:
+        src = g.add_mutually_exclusive_group()
+        src.add_argument("--data", metavar="FILE", help="the training file (.json/.jsonl/"
+                         ".parquet): its samples' token lengths drive the steps")
+        src.add_argument("--lengths", type=lengths_list, metavar="L1,L2,…",
+                         help="sample lengths instead of a file: 180,420,768 (each equally "
+                              "frequent) or percentiles p50=180,p90=420,max=768")
+    g.add_argument("--steps", type=count(1, 100_000), default=None if check else DEFAULT_STEPS,
+                   help="with --data: replay this many optimizer steps" if check else
+                   f"optimizer steps to replay ({DEFAULT_STEPS})")
+    g.add_argument("--order", choices=list(ORDERS), default="random",
+                   help="the loader's order: random shuffle (HF default), group_by_length, "
+                        "sorted (shortest first), packing")
+    g.add_argument("--seed", type=int, default=42, help="the loader's shuffle seed (42)")
+    g.add_argument("--alloc-conf", metavar="CONF",
+                   help="PYTORCH_CUDA_ALLOC_CONF of the run, e.g. max_split_size_mb:256 "
+                        "(default: the environment's)")
+    g.add_argument("--empty-cache-steps", type=count(1), metavar="N", default=0,
+                   help="the loop calls torch.cuda.empty_cache() every N steps "
+                        "(transformers' torch_empty_cache_steps)")
+
+
+def run_alloc_conf(args: argparse.Namespace) -> str | None:
+    """The run's PYTORCH_CUDA_ALLOC_CONF: --alloc-conf, else the environment's, plus
+    --expandable-segments where the command has it."""
+    import os
+
+    conf = args.alloc_conf if args.alloc_conf is not None else os.environ.get(
+        "PYTORCH_CUDA_ALLOC_CONF")
+    if getattr(args, "expandable_segments", False):
+        conf = ",".join(filter(None, [conf, "expandable_segments:True"]))
+    return conf
+
+
 POSITIVE = count(1)
 NON_NEGATIVE = count(0)
 GIB = number(0.0, MAX_NUMBER, low_open=True)  # a memory size in GiB, > 0
@@ -127,6 +207,16 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expandable-segments", action="store_true",
                    help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     add_stack_options(g)
+
+
+def add_vllm_parallel_options(g: Any) -> None:
+    """vLLM's own parallel flags (vllm serve --help), per engine."""
+    g.add_argument("--tensor-parallel-size", type=POSITIVE, default=1,
+                   help="vLLM: GPUs one layer is split over (weights and KV heads per GPU)")
+    g.add_argument("--pipeline-parallel-size", type=POSITIVE, default=1,
+                   help="vLLM: pipeline stages (layers split over GPUs)")
+    g.add_argument("--data-parallel-size", type=POSITIVE, default=1,
+                   help="vLLM: engine replicas (each TP × PP GPUs)")
 
 
 def add_stack_options(g: Any) -> None:

@@ -61,7 +61,9 @@ def render_check(r: Any, done: list[str] = ()) -> None:  # type: ignore[assignme
               soft_wrap=True)
     for warning in r.warnings:
         out.print(f"[yellow]warning:[/] {esc(warning)}", soft_wrap=True, highlight=False)
-    out.print(f"read as: {read_as(r.config, getattr(r, 'lora_reach', ''))}", soft_wrap=True)
+    read = (read_as(r.config, getattr(r, "lora_reach", "")) if r.task == "train"
+            else r.task + " (not training)")
+    out.print(f"read as: {read}", soft_wrap=True)
     phases = ", ".join(
         f"{p} {fmt_bytes(v)}" + (" [red]✗[/]" if v > r.gpu_memory_bytes else "")
         for p, v in r.phase_device_bytes.items())
@@ -79,7 +81,7 @@ def render_check(r: Any, done: list[str] = ()) -> None:  # type: ignore[assignme
         for diff in r.diffs.values():
             sys.stdout.write(diff)
         sys.stdout.flush()
-    elif not r.within_budget:
+    elif not r.within_budget and r.task == "train":
         out.print("no change this file can express fits; run `oomless plan` for other "
                   "methods, GPUs or sharding")
     for line in r.refused:
@@ -96,3 +98,49 @@ def _planner_assumptions() -> int:
     from ..planner.speed import ASSUMPTIONS
 
     return len(ASSUMPTIONS)
+
+
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def reserved_sparkline(curve: list[list[int]], width: int = 60) -> str:
+    """Reserved memory per step (the curve's peak_reserved column) as a text sparkline."""
+    values = [row[3] for row in curve]
+    if not values:
+        return ""
+    if len(values) > width:
+        size = -(-len(values) // width)
+        values = [max(values[i:i + size]) for i in range(0, len(values), size)]
+    low, high = min(values), max(values)
+    span = (high - low) or 1
+    return "".join(_SPARK[min(7, int((v - low) * 8 / span))] for v in values)
+
+
+def render_run(run: dict[str, Any]) -> None:
+    """A run over variable-length data: high water, fragmentation, failure, fixes."""
+    out = sys.stdout.write
+    d, e = run["default"], run["expandable_segments"]
+    lens = run["lengths"]
+    out(f"\nRun over {run['steps']} steps ({run['order']} order; step lengths p50 {lens['p50']}"
+        f" / p90 {lens['p90']} / max {lens['max']}; traced at "
+        f"{', '.join(map(str, run['traced_lengths']))} tokens)\n")
+    out(f"  reserved high-water {fmt_bytes(d['high_water_bytes'])} at step "
+        f"{d['high_water_step']}; allocated peak {fmt_bytes(d['peak_allocated_bytes'])}; "
+        f"reserved − allocated there {fmt_bytes(d['fragmentation_bytes'])} "
+        f"({d['fragmentation_bytes'] / max(1, d['high_water_bytes']):.0%} of reserved; "
+        f"{d['config']})\n")
+    out(f"  reserved per step  {reserved_sparkline(d['curve'])}\n")
+    if d["oom_step"] is not None:
+        out(f"  OUT OF MEMORY at step {d['oom_step']}: {fmt_bytes(d['oom_request_bytes'])} "
+            "could not be allocated even after the allocator freed its cache\n")
+    if e is not d and e["config"] != d["config"]:
+        state = "fits" if e["oom_step"] is None else f"out of memory at step {e['oom_step']}"
+        out(f"  with expandable_segments:True: high-water {fmt_bytes(e['high_water_bytes'])} "
+            f"at step {e['high_water_step']} — {state}\n")
+    if run["capacity_bytes"] is not None:
+        out(f"  verdict on the card ({fmt_bytes(run['capacity_bytes'])} for PyTorch): "
+            f"{run['verdict']}\n")
+    for fix in run["fixes"]:
+        state = "fits" if fix["fits"] else f"still out of memory at step {fix['oom_step']}"
+        out(f"  fix {fix['fix']}: {fix['change']} → high-water "
+            f"{fmt_bytes(fix['high_water_bytes'])}, {state}\n")

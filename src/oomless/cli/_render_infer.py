@@ -8,6 +8,10 @@ from typing import Any
 
 from ..units import fmt_bytes
 
+CUDAGRAPH_WARNING = ("[yellow]CUDA graphs may not fit[/]: vLLM captures them after the KV "
+                     "cache, above the budget, and the card has less than that left; lower "
+                     "gpu_memory_utilization or set enforce_eager")
+
 
 def engine_args_text(args: dict[str, Any]) -> str:
     """vLLM engine arguments as printed by every command (byte for byte the same)."""
@@ -44,27 +48,45 @@ def budget_verdict(b: Any) -> str:
     need = (f"{fmt_bytes(b.required_bytes)}, "
             + (f"utilization {b.required_utilization:.2f}" if b.required_utilization else
                f"{b.required_bytes / b.total_memory_bytes:.1f} × this GPU"))
-    return (f"[yellow]max_num_seqs {seqs} does not fit[/]: {seqs} sequences of {length:,} tokens "
-            f"need {need}; no utilization ≤ 0.95 holds them. At "
-            f"{b.gpu_memory_utilization:.2f} the KV cache holds {held} at once and vLLM queues "
-            f"the rest: lower max_num_seqs to {max(1, held)} or max_model_len")
+    return (f"[green]FITS[/] (vLLM starts; [yellow]not all {seqs} sequences at once[/]): at "
+            f"gpu_memory_utilization {b.gpu_memory_utilization:.2f} the KV cache holds {held} "
+            f"sequences of {length:,} tokens at once and vLLM queues the rest; {seqs} at once "
+            f"would need {need}, no utilization ≤ 0.95 holds them: lower max_num_seqs to "
+            f"{max(1, held)} or max_model_len")
 
 
-def render_vllm(model: str, gpu_name: str, b: Any, args: dict[str, Any]) -> None:
+def _parallel_text(b: Any) -> str:
+    tp, pp, dp = b.tensor_parallel_size, b.pipeline_parallel_size, b.data_parallel_size
+    if tp * pp * dp == 1:
+        return ""
+    return f" · TP {tp} × PP {pp} × DP {dp} ({tp * pp * dp} GPUs)"
+
+
+def render_vllm(model: str, gpu_name: str, b: Any, args: dict[str, Any],
+                hint: dict[str, Any] | None = None) -> None:
     from ._render import console, esc
 
     out = console()
     out.print(f"[bold]{esc(model)}[/] · vLLM on {gpu_name} ({fmt_bytes(b.total_memory_bytes)}) · "
-              f"max_model_len {b.max_model_len:,} · max_num_seqs {b.max_num_seqs}", soft_wrap=True)
+              f"max_model_len {b.max_model_len:,} · max_num_seqs {b.max_num_seqs}"
+              f"{_parallel_text(b)}", soft_wrap=True)
+    comm = " + NCCL, all-reduce buffers" if b.tensor_parallel_size * b.pipeline_parallel_size > 1 else ""
     rows = [("weights (with LoRA slots)" if args.get("enable_lora") else "weights",
-             b.weights_bytes, ""),
+             b.weights_bytes, "this GPU's shard" if _parallel_text(b) else ""),
             ("profile-run peak (activations, sampler)", b.profile_peak_bytes, ""),
-            ("non-torch (CUDA context, CUDA graphs)", b.non_torch_bytes, ""),
+            (f"non-torch (CUDA context{comm})", b.non_torch_bytes, ""),
             ("KV cache", b.kv_cache_bytes,
              f"{b.num_blocks:,} blocks: {b.max_concurrency:g} sequences of {b.max_model_len:,}")]
     out.print(_table(f"Per-GPU memory at gpu_memory_utilization {b.gpu_memory_utilization:.2f}",
                      rows, "budget (utilization × GPU memory)", b.budget_bytes))
+    out.print(f"CUDA graphs (captured after the KV cache, above the budget): about "
+              f"{fmt_bytes(b.cudagraph_bytes)}", soft_wrap=True)
     out.print(budget_verdict(b), soft_wrap=True)
+    if not b.cudagraphs_fit:
+        out.print(CUDAGRAPH_WARNING, soft_wrap=True)
+    if hint:
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in hint.items())
+        out.print(f"With the GPUs named, vLLM fits with: {flags}", soft_wrap=True)
     out.print("vLLM engine arguments (as `oomless infer --engine-args` prints them):")
     print(engine_args_text(args))
 

@@ -38,7 +38,8 @@ def _value(v: Any) -> str:
 
 
 def change_text(ch: dict[str, Any]) -> str:
-    return f"{ch['label']} {_value(ch['from'])} → {_value(ch['to'])}"
+    why = f" ({ch['why']})" if ch.get("why") else ""
+    return f"{ch['label']} {_value(ch['from'])} → {_value(ch['to'])}{why}"
 
 
 def plan_lines(i: int, p: Any) -> list[str]:

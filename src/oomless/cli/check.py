@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._options import FRACTION, GIB, NON_NEGATIVE, POSITIVE
+from ._options import FRACTION, GIB, NON_NEGATIVE, POSITIVE, add_run_sim_options
 
 ORDER = 31
 
@@ -14,7 +14,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "check", help="check an existing training config for OOM; print the smallest fix as a diff",
         description="Read a LLaMA-Factory YAML, WeClone settings, a GLM-4 finetune YAML, a TRL "
-        "/ alignment-handbook recipe, an axolotl YAML, a LLaVA / MoE-LLaVA launch script, a "
+        "/ alignment-handbook recipe, an axolotl YAML, a launch script (read with a shell "
+        "parser, never run: torchrun, deepspeed, accelerate, python, llamafactory-cli, swift, "
+        "tune run, axolotl), a Python training script (read with ast), a torchtune config, a "
         "TrainingArguments JSON with a DeepSpeed JSON, a configuration with its accelerate "
         "config, or an oomless.yaml; predict each phase's memory; when it does not fit within "
         "the headroom, print the smallest change (same effective batch) as a unified diff of "
@@ -22,7 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "patch -p1 < fix.patch` applies it. Exit code 0: fits (within the headroom, and the upper bound "
         "of the estimate's uncertainty band fits the GPU); 1: tight (the GPU's memory lies "
         "inside the band, or only the headroom is missed) or out of memory (even the band's "
-        "lower bound does not fit): the fix is printed; 2: bad input.")
+        "lower bound does not fit): the fix is printed; 2: bad input, or can't tell (a setting "
+        "that changes memory is not understood or only known when the script runs: the "
+        "message names it and the option that settles it).")
     p.add_argument("files", nargs="+", metavar="FILE",
                    help="the configuration (two files: TrainingArguments JSON and DeepSpeed "
                    "JSON, or a configuration and its accelerate config)")
@@ -31,9 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=POSITIVE)
     p.add_argument("--model", help="the model, where the file does not name it (GLM-4, "
                    "DeepSpeed/TrainingArguments) or to override it")
-    p.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (DeepSpeed/TrainingArguments)")
+    p.add_argument("--seq-len", type=POSITIVE, help="tokens per sample (DeepSpeed/TrainingArguments, "
+                   "scripts and configs that do not state it)")
     p.add_argument("--method", choices=["full", "lora", "qlora"],
-                   help="DeepSpeed/TrainingArguments/accelerate only (default full)")
+                   help="DeepSpeed/TrainingArguments/accelerate (default full), or where check "
+                   "cannot tell the method of a script")
     p.add_argument("--images", type=NON_NEGATIVE, help="images per sample (vision-language)")
     p.add_argument("--data", metavar="FILE", help="the training data (.json/.jsonl/.parquet): "
                    "estimate at its longest sample instead of the cutoff")
@@ -48,6 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="with --write / --diff-out: replace an existing FILE.orig / PATH")
     p.add_argument("--json", action="store_true", help="print the CheckResult as JSON")
+    add_run_sim_options(p, check=True)
     p.set_defaults(func=run)
 
 
@@ -73,8 +80,13 @@ def write_outputs(result, args: argparse.Namespace) -> list[str]:
         done.append(f"wrote the diff to {args.diff_out}")
     if args.write and result.new_texts:
         for path in result.new_texts:
-            _refuse_existing(f"{path}.orig", args.force, "backup")
+            if Path(path).exists():
+                _refuse_existing(f"{path}.orig", args.force, "backup")
         for path, text in result.new_texts.items():
+            if not Path(path).exists():  # a DeepSpeed file the fix points to
+                write_atomic(path, text)
+                done.append(f"wrote {path} (new: the DeepSpeed file the fix points to)")
+                continue
             original = Path(path).read_bytes()
             write_atomic(f"{path}.orig", original)
             write_atomic(path, text)
@@ -90,12 +102,32 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, method=args.method, images=args.images, headroom=args.headroom,
         host_ram_gb=args.host_ram_gb, strict=args.strict, data=args.data))
     done = write_outputs(result, args)
+    run_sim = _run(result, args) if args.steps else None
     if args.json:
         import json
 
-        print(json.dumps({**result.to_dict(), "written": done}, indent=2))
+        print(json.dumps({**result.to_dict(), "written": done,
+                          **({"run": run_sim} if run_sim else {})}, indent=2))
     else:
-        from ._render_check import render_check
+        from ._render_check import render_check, render_run
 
         render_check(result, done)
-    return result.exit_code
+        if run_sim:
+            render_run(run_sim)
+    # a run that fails on the card (fragmentation included) does not fit
+    return max(result.exit_code, int(bool(run_sim) and run_sim["verdict"] != "fits"))
+
+
+def _run(result, args: argparse.Namespace) -> dict:
+    """--steps: the run over --data through the caching-allocator model."""
+    from ..config import RunConfig
+    from ..errors import ConfigError
+    from ..runtime.trace.run_stream import run_over
+    from ._options import run_alloc_conf
+
+    if not args.data:
+        raise ConfigError("--steps replays a run over the training data: give --data FILE")
+    cfg = RunConfig.model_validate(result.config)
+    return run_over(cfg, data=args.data, steps=args.steps, order=args.order, seed=args.seed,
+                    cap=cfg.seq_len, empty_cache_every=args.empty_cache_steps,
+                    alloc_conf=run_alloc_conf(args))

@@ -29,8 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from ..diagnose import diagnose_text
-    from ..diagnose.io import read_log
+    from ..diagnose import diagnose_log
 
     cfg = cluster = None
     if args.config:
@@ -41,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         from ..diagnose.predict import choose_cluster
 
         cluster = choose_cluster(cfg, args.gpu, None)
-    diagnosis = diagnose_text(read_log(args.file), cfg, cluster)
+    diagnosis = diagnose_log(args.file, cfg, cluster)
     if args.json:
         print(json.dumps(diagnosis.to_dict(), indent=2))
     else:

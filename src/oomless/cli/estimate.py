@@ -8,7 +8,13 @@ ORDER = 10
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ._options import POSITIVE, UTILIZATION, add_run_options
+    from ._options import (
+        POSITIVE,
+        UTILIZATION,
+        add_run_options,
+        add_run_sim_options,
+        add_vllm_parallel_options,
+    )
 
     p = sub.add_parser(
         "estimate",
@@ -21,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_run_options(p)
     p.add_argument("--json", action="store_true", help="print the MemoryEstimate as JSON")
     p.add_argument("--assumptions", action="store_true", help="list every approximation")
+    add_run_sim_options(p)
     inf = p.add_argument_group("inference (--inference)")
     inf.add_argument("--inference", action="store_true", help="estimate inference instead")
     inf.add_argument("--engine", choices=["hf", "vllm"], default="vllm")
@@ -28,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     inf.add_argument("--max-num-seqs", type=POSITIVE, default=256)
     inf.add_argument("--gpu-memory-utilization", type=UTILIZATION)
     inf.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    add_vllm_parallel_options(inf)
     p.set_defaults(func=run)
 
 
@@ -40,13 +48,35 @@ def run(args: argparse.Namespace) -> int:
     from ..api import estimate
 
     est = estimate(cfg, expandable_segments=args.expandable_segments)
+    if args.data or args.lengths:
+        est = _with_run(est, cfg, args)
     if args.json:
         print(est.to_json())
     else:
         from ._render import render_estimate
 
         render_estimate(est, show_assumptions=args.assumptions)
+        if "run" in est.extra:
+            from ._render_check import render_run
+
+            render_run(est.extra["run"])
     return 0
+
+
+def _with_run(est, cfg, args: argparse.Namespace):
+    """The estimate with the run over the data (``extra["run"]``)."""
+    import dataclasses
+
+    from ..runtime.trace.run_stream import run_over
+    from ._options import run_alloc_conf
+
+    run = run_over(cfg, data=args.data, lengths=args.lengths, steps=args.steps,
+                   order=args.order, seed=args.seed,
+                   cap=cfg.seq_len if "seq_len" in cfg.model_fields_set else None,
+                   alloc_conf=run_alloc_conf(args),
+                   empty_cache_every=args.empty_cache_steps)
+    return dataclasses.replace(est, extra={**est.extra, "run": run},
+                               assumptions=(*est.assumptions, run["assumption"]))
 
 
 def _inference(args: argparse.Namespace, cfg) -> int:
@@ -55,7 +85,8 @@ def _inference(args: argparse.Namespace, cfg) -> int:
     from ..api import cluster_for
     from ..errors import ConfigError
     from ..memory import estimate_generate
-    from ..memory.inference import EngineRequest, vllm_engine_args
+    from ..memory.inference import EngineRequest, parallel_hint, vllm_engine_args
+    from ..memory.vllm_parallel import check_parallel
     from ..models.catalog import resolve_model
 
     spec = resolve_model(cfg.model).spec
@@ -79,12 +110,18 @@ def _inference(args: argparse.Namespace, cfg) -> int:
                         max_num_seqs=args.max_num_seqs,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         lora_rank=cfg.lora.r if adapter else 0, kv_cache_dtype=args.kv_cache_dtype,
-                        trust_remote_code=cfg.training.trust_remote_code)
+                        trust_remote_code=cfg.training.trust_remote_code,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        pipeline_parallel_size=args.pipeline_parallel_size,
+                        data_parallel_size=args.data_parallel_size, nodes=cluster.nodes)
+    check_parallel(spec, req.parallel, cluster.world_size)
     engine, budget = vllm_engine_args(spec, cluster.gpu, req)
+    hint = parallel_hint(spec, cluster, req, budget)
     if args.json:
-        print(json.dumps({"engine": "vllm", **budget.to_dict(), "engine_args": engine}, indent=2))
+        print(json.dumps({"engine": "vllm", **budget.to_dict(), "engine_args": engine,
+                          "suggested_parallel": hint}, indent=2))
         return 0
     from ._render_infer import render_vllm
 
-    render_vllm(spec.name, cluster.gpu.display_name, budget, engine)
+    render_vllm(spec.name, cluster.gpu.display_name, budget, engine, hint)
     return 0

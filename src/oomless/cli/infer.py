@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._options import POSITIVE, UTILIZATION, count, number
+from ._options import POSITIVE, UTILIZATION, add_vllm_parallel_options, count, number
 
 ORDER = 80
 
@@ -50,6 +50,7 @@ def _common(p: argparse.ArgumentParser, max_new_tokens: int) -> None:
                    help="OUT (or --kept) exists but was not written by oomless: replace it, "
                    "keeping the old file as FILE.orig")
     p.add_argument("--trust-remote-code", action="store_true")
+    add_vllm_parallel_options(p)
     p.add_argument("--engine-args", action="store_true",
                    help="print the vLLM engine arguments the memory model computes, and stop")
     p.add_argument("--gpu", help="with --engine-args: size for this catalog GPU instead of "
@@ -87,6 +88,9 @@ def _options(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
         chat_template=args.chat_template, system=args.system,
         trust_remote_code=args.trust_remote_code, id_field=args.id_field, limit=args.limit,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
     )
 
 
@@ -121,7 +125,7 @@ def _print_engine_args(args: argparse.Namespace, opts) -> int:
                 from None
         gpu = gpu_spec_for(name, total)
     engine, budget = engine_args(opts, resolve_model(opts.model).spec, gpu, used)
-    from ._render_infer import budget_verdict, engine_args_text
+    from ._render_infer import CUDAGRAPH_WARNING, budget_verdict, engine_args_text
 
     print(engine_args_text(engine))
     print(f"{gpu.display_name}: {fmt_bytes(gpu.memory_bytes)}, {fmt_bytes(used)} used by others; "
@@ -130,7 +134,10 @@ def _print_engine_args(args: argparse.Namespace, opts) -> int:
           f"{fmt_bytes(budget.non_torch_bytes)} + KV cache {fmt_bytes(budget.kv_cache_bytes)}")
     from rich.console import Console
 
-    Console(highlight=False, soft_wrap=True).print(budget_verdict(budget))
+    out = Console(highlight=False, soft_wrap=True)
+    out.print(budget_verdict(budget))
+    if not budget.cudagraphs_fit:
+        out.print(CUDAGRAPH_WARNING)
     return 0
 
 

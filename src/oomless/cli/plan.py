@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._options import FRACTION, GIB, NON_NEGATIVE, POSITIVE
+from ._options import FRACTION, GIB, NON_NEGATIVE, POSITIVE, add_run_sim_options
 
 ORDER = 30
 
@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "kept as NAME.orig")
     p.add_argument("--json", action="store_true", help="print the PlanResult as JSON")
     p.add_argument("--assumptions", action="store_true", help="list every assumption")
+    add_run_sim_options(p, check=True)
     more = p.add_argument_group("the run to keep")
     more.add_argument("--host-ram-gb", type=GIB, help="host RAM per node (offload)")
     more.add_argument("--images", type=NON_NEGATIVE, help="images per sample (vision-language)")
@@ -65,12 +66,32 @@ def run(args: argparse.Namespace) -> int:
     result = plan(spec, req)
     written = (write_best(result, req, spec, args.out, args.force, (args.model, args.data))
                if args.out else [])
+    run_sim = _run(result, args) if args.steps and result.plans else None
     if args.json:
         import json
 
-        print(json.dumps({**result.to_dict(), "written": written}, indent=2))
+        print(json.dumps({**result.to_dict(), "written": written,
+                          **({"run": run_sim} if run_sim else {})}, indent=2))
     else:
         from ._render_plan import render_plan
 
         render_plan(result, written, show_assumptions=args.assumptions)
+        if run_sim:
+            from ._render_check import render_run
+
+            render_run(run_sim)
     return 0 if result.plans else 1
+
+
+def _run(result, args: argparse.Namespace) -> dict:
+    """--steps: the best plan's run over --data through the caching-allocator model."""
+    from ..errors import ConfigError
+    from ..runtime.trace.run_stream import run_over
+    from ._options import run_alloc_conf
+
+    if not args.data:
+        raise ConfigError("--steps replays a run over the training data: give --data FILE")
+    cfg = result.plans[0].run_config()
+    return run_over(cfg, data=args.data, steps=args.steps, order=args.order, seed=args.seed,
+                    cap=cfg.seq_len, empty_cache_every=args.empty_cache_steps,
+                    alloc_conf=run_alloc_conf(args))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._options import number
+
 ORDER = 41
 
 
@@ -34,6 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="do not change the Trainers (logging and resume only)")
     p.add_argument("--no-check", action="store_true", help="skip the check before the start")
     p.add_argument("--no-report", action="store_true", help="do not write report.html")
+    p.add_argument("--stop-grace", type=number(0.0, 3600.0), default=10.0, metavar="SECONDS",
+                   help="SIGINT/SIGTERM/SIGHUP to oomless run go to every process of the "
+                   "command; one that is still running this long after gets SIGTERM, then "
+                   "SIGKILL as long again after (default 10)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the training command, after --")
     p.set_defaults(func=_run)
@@ -42,6 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from ..runtime.supervise import RunOptions, supervise
+    from .train import utf8_path
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -51,10 +58,12 @@ def _run(args: argparse.Namespace) -> int:
                           "oomless run -- llamafactory-cli train config.yaml")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts {args.max_restarts}: must be 0 or more")
+    if args.run_dir is not None:
+        utf8_path(args.run_dir, "--run-dir")
     result = supervise(RunOptions(
         command=command, auto_fit=args.auto_fit, max_restarts=args.max_restarts, gpu=args.gpu,
         model=args.model, run_dir=args.run_dir, protect=not args.no_protect,
-        check=not args.no_check, report=not args.no_report))
+        check=not args.no_check, report=not args.no_report, stop_grace_s=args.stop_grace))
     lines = [f"oomless run: {result.verdict} after {result.attempts} attempt(s)"]
     lines += [f"  change: {c}" for c in result.changes]
     lines.append(f"  run folder {result.run_dir}" + (f", report {result.report}"

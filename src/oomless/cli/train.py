@@ -29,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="if the run is predicted not to fit, apply the best plan that does")
     p.add_argument("--output-dir", metavar="DIR", help="override training.output_dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="also write each step's memory (oomless/ peaks, prediction, micro "
+                   "batch, OOM splits) as TensorBoard scalars to DIR (needs tensorboard)")
     p.add_argument("--dry-run", action="store_true",
                    help="with several GPUs: write the launch files, print the command, stop")
     m = p.add_argument_group("several nodes (hardware.nodes > 1; run on every node)")
@@ -36,6 +39,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     m.add_argument("--main-process-ip", metavar="IP", help="address of the rank-0 node")
     m.add_argument("--main-process-port", type=count(1, 65535), default=29500, metavar="PORT")
     p.set_defaults(func=_run)
+
+
+def utf8_path(path: str, option: str) -> str:
+    """``path`` when it is text oomless can write into its run files (UTF-8), else a
+    ConfigError: a name in another encoding arrives as undecodable bytes."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        from ..errors import ConfigError
+
+        shown = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise ConfigError(f"{option} '{shown}' is not valid UTF-8; oomless records the folder "
+                          "in its run files (JSON, YAML), which hold UTF-8 text: choose a "
+                          "folder name in UTF-8") from None
+    return path
 
 
 def quiet_libraries() -> None:
@@ -87,6 +105,7 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args.config)
     if args.output_dir:
+        utf8_path(args.output_dir, "--output-dir")
         cfg = cfg.replace(**{"training.output_dir": args.output_dir})
     if cfg.world_size > 1 and "WORLD_SIZE" not in os.environ:
         from ..runtime.train.launch import launch
@@ -103,8 +122,18 @@ def _run(args: argparse.Namespace) -> int:
 
         raise ConfigError("--resume continues the run in output_dir, --start-over deletes it: "
                           "give one of them")
-    result = train(cfg, resume=args.resume, auto_fit=args.auto_fit,
-                   progress=not args.no_progress, start_over=args.start_over)
+    board = None
+    if args.tensorboard:
+        from ..runtime.protect.dashboards import TensorBoardSteps
+
+        board = TensorBoardSteps(args.tensorboard)
+    try:
+        result = train(cfg, resume=args.resume, auto_fit=args.auto_fit,
+                       progress=not args.no_progress, start_over=args.start_over,
+                       on_step_end=board)
+    finally:
+        if board is not None:
+            board.close()
     if int(os.environ.get("RANK", "0")) == 0:
         render_summary(out, result)
         out.print(f"next: oomless report {esc(result.run_dir)}")

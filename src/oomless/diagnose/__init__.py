@@ -23,6 +23,7 @@ from .events import (
     NO_EVENT,
     PROCESS_KILLED,
     VLLM_KINDS,
+    VLLM_SAMPLER,
     Diagnosis,
     Finding,
     Fix,
@@ -41,12 +42,15 @@ from .text import LogText
 from .view import gpu_view
 from .vllm import find_vllm_events, find_vllm_fragments, vllm_profile
 
-__all__ = ["NO_EVENT", "Diagnosis", "diagnose_text"]
+__all__ = ["NO_EVENT", "Diagnosis", "diagnose_log", "diagnose_text"]
 
 MAX_FINDINGS = 50  # a retry loop can print thousands of identical errors
 _LIBRARIES = ("bitsandbytes", "deepspeed", "vllm", "peft", "accelerate", "transformers")
 _NCCL_MERGE_LINES = 30
 _ECHO_LINES = 200  # a re-raised or logged copy of the same error follows within a traceback's length
+# A retry loop repeats its error within a traceback or two; further apart, the same message
+# is a new failure (the run was started again)
+_REPEAT_LINES = 2 * _ECHO_LINES
 
 
 def _with_traceback(log: LogText, event: OomEvent) -> OomEvent:
@@ -72,13 +76,17 @@ def _same_stream(a: OomEvent, b: OomEvent) -> bool:
     return a.rank is None or b.rank is None or a.rank == b.rank
 
 
-def _merge(events: list[OomEvent]) -> list[OomEvent]:
-    """Identical messages of one rank count once; one NCCL failure's lines make one event."""
+def _merge(events: list[OomEvent], log: LogText) -> list[OomEvent]:
+    """Identical messages of one rank in a row (a retry loop) count once; one NCCL
+    failure's lines make one event. Identical messages far apart (a run that failed
+    again after a restart) stay separate events."""
     merged: dict[tuple, OomEvent] = {}
+    last: dict[tuple, int] = {}  # log line of the latest occurrence merged into a key
+    at = lambda ev: log.raw_number(ev.line)  # noqa: E731
     for e in sorted(events, key=lambda ev: ev.line):
         if e.kind == NCCL_OOM:
             near = [k for k, o in merged.items() if o.kind == NCCL_OOM and _same_stream(o, e)
-                    and e.line - o.line <= _NCCL_MERGE_LINES]
+                    and at(e) - at(o) <= _NCCL_MERGE_LINES]
             if near:
                 prev = merged[near[-1]]
                 merged[near[-1]] = replace(
@@ -89,27 +97,32 @@ def _merge(events: list[OomEvent]) -> list[OomEvent]:
                     frames=prev.frames or e.frames)
                 continue
         key = _key(e)
-        if key in merged:
+        if key in merged and at(e) - last[key] <= _REPEAT_LINES:
             merged[key] = replace(merged[key], occurrences=merged[key].occurrences + 1)
+            last[key] = at(e)
             continue
+        if key in merged:  # the same message again, much later: its own event
+            merged[(*key, e.line)] = merged.pop(key)
         merged[key] = e
-    return _fold_echoes(sorted(merged.values(), key=lambda ev: ev.line))
+        last[key] = at(e)
+    return _fold_echoes(sorted(merged.values(), key=lambda ev: ev.line), log)
 
 
-def _echo_of(e: OomEvent, o: OomEvent) -> bool:
+def _echo_of(e: OomEvent, o: OomEvent, log: LogText) -> bool:
     """``e`` repeats ``o``: same kind and process, close by, and no numbers of its own."""
-    return (o.kind == e.kind and o.rank == e.rank and abs(e.line - o.line) <= _ECHO_LINES
+    return (o.kind == e.kind and o.rank == e.rank
+            and abs(log.raw_number(e.line) - log.raw_number(o.line)) <= _ECHO_LINES
             and (not e.numbers or (not o.numbers and e.source == o.source)))
 
 
-def _fold_echoes(events: list[OomEvent]) -> list[OomEvent]:
+def _fold_echoes(events: list[OomEvent], log: LogText) -> list[OomEvent]:
     out: list[OomEvent] = []
     for e in events:
-        twin = next((i for i, o in enumerate(out) if _echo_of(e, o)), None)
+        twin = next((i for i, o in enumerate(out) if _echo_of(e, o, log)), None)
         if twin is not None:
             out[twin] = replace(out[twin], occurrences=out[twin].occurrences + e.occurrences)
             continue
-        bare = next((i for i, o in enumerate(out) if _echo_of(o, e)), None)
+        bare = next((i for i, o in enumerate(out) if _echo_of(o, e, log)), None)
         if bare is not None:  # the numbers came after their echo: keep the numbers
             out[bare] = replace(e, occurrences=e.occurrences + out[bare].occurrences)
             continue
@@ -126,11 +139,44 @@ def _with_vllm_profile(log: LogText, event: OomEvent) -> OomEvent:
     return replace(event, numbers={**profile, **event.numbers})
 
 
-def find_events(log: LogText) -> tuple[list[OomEvent], list[str]]:
+# A log that shows a vLLM engine starting and no training loop is a serving log: its
+# GPU errors get serving fixes even without a vLLM frame in their traceback
+_SERVING = ("Initializing a V1 LLM engine", "Initializing an LLM engine", "vLLM API server",
+            "vllm.entrypoints", "EngineCore", "vllm serve ", "(VllmWorker", "(APIServer pid=",
+            "multiproc_executor.py")
+_TRAINING = ("trainer.py", "training_step", ".backward(", "'loss':", "optimizer.step")
+
+
+def _serving_log(text: str) -> bool:
+    return any(m in text for m in _SERVING) and not any(m in text for m in _TRAINING)
+
+
+def _fold_sampler(events: list[OomEvent], log: LogText) -> list[OomEvent]:
+    """vLLM re-raises the sampler's torch OOM as "CUDA out of memory occurred when warming
+    up sampler": one failure, read as the sampler event with the torch message's numbers."""
+    out = list(events)
+    for s in [e for e in events if e.kind == VLLM_SAMPLER]:
+        inner = [e for e in out if e.kind in GPU_KINDS and 0 <= log.raw_number(s.line)
+                 - log.raw_number(e.line) <= _ECHO_LINES and _same_stream(e, s)]
+        if inner:
+            at = out.index(s)
+            out[at] = replace(s, numbers={**inner[-1].numbers, **s.numbers},
+                              processes=inner[-1].processes, frames=inner[-1].frames)
+            out = [e for e in out if e not in inner]
+    return out
+
+
+def find_events(log: LogText, serving: bool = False) -> tuple[list[OomEvent], list[str]]:
+    """Every event of the log; ``serving``: the log is a serving engine's (its GPU errors
+    get serving fixes, see :func:`_serving_log`)."""
     vllm = list(find_vllm_events(log))
     raw = [*repair(log, list(find_gpu_events(log))), *vllm, *find_vllm_fragments(log, vllm),
            *find_host_events(log)]
-    events = _merge([_with_vllm_profile(log, _with_traceback(log, e)) for e in raw])
+    events = _merge([_with_vllm_profile(log, _with_traceback(log, e)) for e in raw], log)
+    events = _fold_sampler(events, log)
+    if serving:
+        events = [replace(e, library="vllm") if e.kind in GPU_KINDS and e.library is None
+                  else e for e in events]
     notes: list[str] = []
     gpu = [e for e in events if e.kind in GPU_KINDS]
     collateral = [e for e in events if e.kind == PROCESS_KILLED and e.source != "kernel"]
@@ -222,15 +268,28 @@ def _calibration_note(event: OomEvent, predictor: Predictor) -> str | None:
             f"{fmt_bytes(seen - predicted)} low for this run")
 
 
-def diagnose_text(text: str, cfg: RunConfig | None = None, cluster: Cluster | None = None) -> Diagnosis:
+def diagnose_log(source: str, cfg: RunConfig | None = None,
+                 cluster: Cluster | None = None) -> Diagnosis:
+    """:func:`diagnose_text` of a log file ('-': standard input) of any size, read with
+    bounded memory (:mod:`.stream`: a long log is read as the lines around its errors)."""
+    from .stream import excerpt_notes, read_excerpt
+
+    ex = read_excerpt(source)
+    d = diagnose_text(ex.text, cfg, cluster, line_numbers=None if ex.whole else ex.numbers)
+    return replace(d, notes=(*excerpt_notes(ex), *d.notes))
+
+
+def diagnose_text(text: str, cfg: RunConfig | None = None, cluster: Cluster | None = None,
+                  line_numbers: list[int] | None = None) -> Diagnosis:
     """Find every out-of-memory event in ``text`` and explain it.
 
     ``cfg``: the run configuration; with it every fix carries the estimator's
     predicted peak. ``cluster``: the GPUs to predict for (default: the
-    configuration's, else the total printed in the message).
+    configuration's, else the total printed in the message). ``line_numbers``:
+    the log line of each line of ``text`` when it is an excerpt.
     """
-    log = LogText(text)
-    events, notes = find_events(log)
+    log = LogText(text, line_numbers)
+    events, notes = find_events(log, _serving_log(text))
     first = None
     if events:
         first = sum(len(line.text) + 1 for line in log.lines[: events[0].line - 1])

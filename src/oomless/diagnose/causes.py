@@ -21,6 +21,7 @@ from .events import (
     VLLM_FREE_MEMORY,
     VLLM_MAX_LEN,
     VLLM_NO_KV,
+    VLLM_SAMPLER,
     Cause,
     OomEvent,
     RunHints,
@@ -245,6 +246,13 @@ def _vllm_event(event: OomEvent, s: Situation) -> list[tuple[float, Cause]]:
         return [(5.0, _c("vllm_no_kv_cache", "Nothing left for vLLM's KV cache",
                          f"weights, profile-run activations and non-torch memory fill vLLM's budget"
                          f"{detail}", **{k: v for k, v in prof.items() if isinstance(v, (int, float))}))]
+    if event.kind == VLLM_SAMPLER:
+        n = event.numbers.get("dummy_requests")
+        reqs = f"{n} dummy requests (max_num_seqs)" if n else "max_num_seqs dummy requests"
+        return [(5.0, _c("vllm_sampler", "vLLM's sampler warm-up ran out of memory",
+                         f"at start-up vLLM samples {reqs} at once to reserve the sampler's memory "
+                         "(logits of every sequence over the vocabulary); the GPU had no room "
+                         "left for them outside the weights and the KV cache", dummy_requests=n))]
     if event.kind == VLLM_MAX_LEN:
         need = n.get("kv_needed_bytes")
         have = n.get("kv_available_bytes")
@@ -261,6 +269,13 @@ def vllm_runtime(event: OomEvent, view: GpuView) -> tuple[float, Cause] | None:
     """vLLM itself failed while serving (outside its start-up budget's profile)."""
     if event.library != "vllm" or event.kind not in (CUDA_OOM, CUDA_ERROR_OOM):
         return None
+    if event.phase == "vllm_cuda_graphs":
+        return 3.9, _c("vllm_cuda_graphs", "vLLM's CUDA graph capture ran out of memory",
+                       "the graphs are captured after the KV cache took its share of "
+                       "gpu_memory_utilization; their memory is outside that budget (vLLM: \"If "
+                       "out-of-memory error occurs during cudagraph capture, consider decreasing "
+                       "`gpu_memory_utilization` or switching to eager mode\")",
+                       requested_bytes=view.requested_bytes)
     cumem = "cumem_allocator" in event.message
     where = ("vLLM's CuMemAllocator (sleep mode, an engine beside a training job) could not map "
              "its memory" if cumem else "the allocation failed inside vLLM's model runner or "
@@ -269,6 +284,21 @@ def vllm_runtime(event: OomEvent, view: GpuView) -> tuple[float, Cause] | None:
                    f"{where}: a batch of more tokens (or a larger sampler) than its start-up "
                    "profile measured, or memory other work took since start-up",
                    requested_bytes=view.requested_bytes, shortfall_bytes=view.shortfall_bytes)
+
+
+def oversized_request(view: GpuView) -> tuple[float, Cause] | None:
+    """One allocation larger than the whole GPU: no batch size makes a tensor that big
+    fit; its size is a bug's (a sample far longer than meant, packing without a length
+    cap, an attention matrix materialised in full)."""
+    req, total = view.requested_bytes, view.total_bytes
+    if req is None or total is None or req <= total:
+        return None
+    return 6.0, _c("oversized_request", "One request larger than the whole GPU: a bug-shaped size",
+                   f"the {fmt_bytes(req)} request is {req / total:.1f}× the {fmt_bytes(total)} GPU: "
+                   "halving the batch cannot make it fit; a sequence far longer than intended "
+                   "(packing or concatenation without a length cap, a missing truncation), or a "
+                   "full attention matrix (eager attention on a long sequence) asks for this",
+                   requested_bytes=req, total_bytes=total)
 
 
 def free_but_failed(view: GpuView) -> tuple[float, Cause] | None:
@@ -301,12 +331,14 @@ def classify(event: OomEvent, s: Situation) -> tuple[Cause, ...]:
     found: list[tuple[float, Cause] | None] = []
     if event.kind in HOST_KINDS:
         found += _host_causes(event)
-    elif event.kind in (VLLM_FREE_MEMORY, VLLM_NO_KV, VLLM_MAX_LEN):
+    elif event.kind in (VLLM_FREE_MEMORY, VLLM_NO_KV, VLLM_MAX_LEN, VLLM_SAMPLER):
         found += _vllm_event(event, s)
     else:
         view = gpu_view(event)
         vllm = vllm_in_charge(event, s) or vllm_runtime(event, view)
         other = [free_but_failed(view), vision_attention(event, view, s.vision_heads)]
+        if not any(other):
+            other.append(oversized_request(view))
         found += [vllm, *other, memory_fraction(view), other_process(view), fragmentation(view)]
         if not any(other):  # else the batch, logits and replicas are not what ran out here
             phase = _phase_cause(event, view, s)

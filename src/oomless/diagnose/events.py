@@ -17,11 +17,12 @@ NCCL_OOM = "nccl_oom"  # NCCL's own cudaMalloc failed
 VLLM_NO_KV = "vllm_no_kv_cache"  # "No available memory for the cache blocks"
 VLLM_MAX_LEN = "vllm_max_len"  # max_model_len larger than the KV cache holds
 VLLM_FREE_MEMORY = "vllm_free_memory"  # free memory below the requested utilization
+VLLM_SAMPLER = "vllm_sampler_warmup"  # "CUDA out of memory occurred when warming up sampler"
 HOST_OOM = "host_oom"  # kernel OOM killer, cgroup/slurm/k8s OOM kills, CPU allocator
 PROCESS_KILLED = "process_killed"  # SIGKILL / exit code -9 or 137 without a kernel line
 
 GPU_KINDS = (CUDA_OOM, CUDA_ERROR_OOM, BNB_OOM, NCCL_OOM)
-VLLM_KINDS = (VLLM_NO_KV, VLLM_MAX_LEN, VLLM_FREE_MEMORY)
+VLLM_KINDS = (VLLM_NO_KV, VLLM_MAX_LEN, VLLM_FREE_MEMORY, VLLM_SAMPLER)
 HOST_KINDS = (HOST_OOM, PROCESS_KILLED)
 
 

@@ -266,6 +266,12 @@ def training_fixes(cause: Cause, ctx: FixContext) -> list[Fix | None]:
         return [zero3(ctx), smaller_optimizer(ctx)]
     if code == "model_too_large":
         return [zero3(ctx), quantize_base(ctx)]
+    if code == "oversized_request":
+        return [Fix("check_lengths", "find the sample or step that asks for this much: cap the "
+                    "sequence length (cutoff_len / max_seq_length / truncation), check packing and "
+                    "the data for a runaway-long sample, and use a flash/SDPA attention instead of "
+                    "eager on long sequences; a smaller batch does not help", {}, True),
+                cap_length(ctx)]
     if code == "nccl_buffers":
         return [Fix("nccl_headroom", f"leave at least {fmt_bytes(GiB)} free for NCCL's buffers: "
                     "lower the micro batch or the other memory users first", {}, True),

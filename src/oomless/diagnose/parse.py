@@ -16,7 +16,8 @@ Message formats, with where they are written:
   "Allocation on device d would exceed allowed memory. (out of memory)" and
   "Currently allocated / Requested / Device limit / Free (according to CUDA)".
 - "CUDA error: out of memory" (any CUDA call outside the caching allocator),
-  cuBLAS "CUBLAS_STATUS_ALLOC_FAILED".
+  cuBLAS "CUBLAS_STATUS_ALLOC_FAILED"; PyTorch ≤ 0.4's THC "cuda runtime error (2) :
+  out of memory".
 - bitsandbytes' CUDA_CHECK_RETURN: "Error out of memory at line N in file F".
 - NCCL (src/include/alloc.h): "NCCL WARN Cuda failure 'out of memory'",
   "Failed to CUDA calloc N bytes"; torch: "ncclUnhandledCudaError".
@@ -110,6 +111,8 @@ _PARTIAL_DEVICE = re.compile(r"(?:GPU|NPU)\s?(\d+)")
 CUDA_ERROR = re.compile(
     rf"(?im)(?:^|(?<=[\s:]))(?<![\"'])(?:CUDA|HIP|CUDA{_S}driver){_S}error:{_S}out{_S}of{_S}memory"
     r"|CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation"
+    # PyTorch ≤ 0.4 (THC): "cuda runtime error (2) : out of memory at …/THCStorage.cu:65"
+    rf"|cuda{_S}runtime{_S}error{_S}\(2\){_S}:{_S}out{_S}of{_S}memory"
 )
 BNB = re.compile(r"Error out of memory at line (?P<line>\d+) in file (?P<file>\S+)")
 NCCL_WARN = re.compile(

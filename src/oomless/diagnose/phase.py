@@ -34,7 +34,7 @@ class Frame:
 
 
 PHASES = (
-    "vllm_profile_run", "vllm_startup", "checkpoint_save", "zero_init", "model_load",
+    "vllm_sampler_warmup", "vllm_cuda_graphs", "vllm_profile_run", "vllm_startup", "checkpoint_save", "zero_init", "model_load",
     "generation", "evaluation", "optimizer_step", "backward", "forward", "data_loading",
 )
 
@@ -55,10 +55,16 @@ def _rules(frames: list[Frame]) -> dict[str, bool]:
     """Which phases the frames show (several may; PHASES orders them by specificity)."""
     vllm = _vllm(frames)
     return {
+        # vllm/v1/worker/gpu_model_runner.py: _dummy_sampler_run (inside profile_run) and
+        # capture_model (CUDA graphs, after the KV cache is allocated)
+        "vllm_sampler_warmup": _has(vllm, ("_dummy_sampler_run",)),
+        "vllm_cuda_graphs": _has(vllm, ("capture_model", "_capture_cudagraphs", "capture"),
+                                 ("vllm/compilation/cuda_graph.py",))
+        or _has(frames, ("capture_begin", "graph"), ("torch/cuda/graphs.py",)),
         "vllm_profile_run": _has(vllm, ("profile_run", "_dummy_run", "_dummy_sampler_run",
                                         "determine_available_memory", "determine_num_available_blocks")),
         "vllm_startup": _has(vllm, ("load_model", "_initialize_kv_caches", "initialize_from_config",
-                                    "init_device", "capture_model", "initialize_cache",
+                                    "init_device", "initialize_cache",
                                     "_check_enough_kv_cache_memory", "check_enough_kv_cache_memory")),
         "checkpoint_save": _has(frames, ("save_model", "_save_checkpoint", "save_pretrained",
                                          "save_checkpoint", "_save", "save_state", "consolidated_16bit_state_dict"),
@@ -74,7 +80,8 @@ def _rules(frames: list[Frame]) -> dict[str, bool]:
         "generation": _has(frames, ("generate", "_sample", "greedy_search", "sample", "beam_search",
                                     "_beam_search", "_assisted_decoding", "contrastive_search")),
         "evaluation": _has(frames, ("evaluate", "evaluation_loop", "prediction_step", "predict",
-                                    "prediction_loop", "_evaluate", "eval_step", "validation_step")),
+                                    "prediction_loop", "_evaluate", "eval_step", "validation_step"))
+        or any(f.func.startswith(("evaluat", "validat")) for f in frames),
         "optimizer_step": _has(frames, ("step", "_step", "_optimizer_step", "optimizer_step"),
                                ("torch/optim/", "bitsandbytes/optim/"))
         and _has(frames, (), ("torch/optim/", "bitsandbytes/optim/", "deepspeed/runtime/", "accelerate/optimizer.py"),
@@ -113,6 +120,8 @@ def _frames_at(log: LogText, indices: list[int]) -> list[Frame]:
 
 
 _CARET = re.compile(r"^\s*[~^]+\s*$")
+# a tqdm bar another thread printed into the traceback ("Loading checkpoint shards:  0%| …")
+_PROGRESS = re.compile(r"\d+%\|.*\|\s*\d+/\d+\s*\[")
 
 
 def _is_frame(text: str) -> bool:
@@ -129,9 +138,15 @@ def _frame_block(log: LogText, index: int, rank: int | None, pid: int | None) ->
             i -= 1
             continue
         text = log.lines[i].text
-        above = log.lines[i - 1].text if i > 0 else ""
+        j = i - 1
+        while j > 0 and _PROGRESS.search(log.lines[j].text):
+            j -= 1
+        above = log.lines[j].text if j >= 0 else ""
         if not text.strip() and block == [] and index - i <= 2:
             i -= 1  # a blank line between the frames and the error line
+            continue
+        if _PROGRESS.search(text):
+            i -= 1
             continue
         if _is_frame(text) or _CARET.match(text) or (text.strip() and _is_frame(above)):
             block.append(i)

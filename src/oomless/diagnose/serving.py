@@ -121,8 +121,12 @@ def vllm_no_kv(event: OomEvent, s: Situation) -> list[Fix]:
     fixes.append(Fix("max_num_batched_tokens", "lower max_num_batched_tokens / max_num_seqs: a "
                      "smaller profile run leaves more for the KV cache" + detail, {}, True,
                      domain="serving"))
-    fixes.append(Fix("quantize", "a quantized checkpoint (AWQ/GPTQ/FP8) or tensor_parallel_size 2 "
-                     "to shrink the weights per GPU", {}, False, domain="serving"))
+    fixes.append(Fix("quantize", "a quantized checkpoint (AWQ/GPTQ/FP8) to shrink the weights "
+                     "per GPU", {}, False, domain="serving"))
+    fixes.append(Fix("tensor_parallel_size", "tensor_parallel_size 2 on two GPUs: each holds half "
+                     "the weights and half the KV heads (`oomless estimate MODEL --inference "
+                     "--gpu GPUx2 --tensor-parallel-size 2` sizes it)",
+                     {"tensor_parallel_size": 2}, True, domain="serving"))
     return fixes
 
 
@@ -144,6 +148,37 @@ def vllm_serving_runtime(event: OomEvent, s: Situation) -> list[Fix]:
         fixes.append(Fix("gpu_memory_utilization", "lower gpu_memory_utilization by the missing "
                          "amount: more room outside vLLM's budget", {}, True, domain="serving"))
     return fixes
+
+
+def vllm_cuda_graphs(s: Situation) -> list[Fix]:
+    """vLLM's start-up advice for a capture OOM (v0 model_runner.py / v1 gpu_model_runner.py
+    log line "Capturing cudagraphs for decoding")."""
+    util = s.hints.gpu_memory_utilization
+    lower = round(_down(util - 0.05), 2) if util else None
+    return [Fix("gpu_memory_utilization", (_util_text(lower, util) if lower else
+                                           "lower gpu_memory_utilization")
+                + ": the graphs' memory is outside vLLM's budget",
+                {"gpu_memory_utilization": lower} if lower else {}, True, domain="serving"),
+            Fix("enforce_eager", "enforce_eager=True (--enforce-eager): no CUDA graphs, slower "
+                "decoding", {"enforce_eager": True}, True, domain="serving"),
+            Fix("max_num_seqs", "lower max_num_seqs (or cudagraph_capture_sizes): fewer, smaller "
+                "graphs to capture", {}, True, domain="serving")]
+
+
+def vllm_sampler(event: OomEvent, s: Situation) -> list[Fix]:
+    """What vLLM's own message says: lower max_num_seqs or gpu_memory_utilization
+    (vllm/v1/worker/gpu_model_runner.py _dummy_sampler_run)."""
+    n = event.numbers.get("dummy_requests") or s.hints.max_num_seqs
+    util = s.hints.gpu_memory_utilization
+    seqs = Fix("max_num_seqs", f"lower max_num_seqs{f' (was {n})' if n else ''}: the sampler "
+               "warm-up samples that many sequences at once",
+               {"max_num_seqs": max(1, n // 2)} if n else {}, True, domain="serving")
+    lower = round(_down(util - 0.05), 2) if util else None
+    room = Fix("gpu_memory_utilization", (_util_text(lower, util) if lower else
+                                          "lower gpu_memory_utilization")
+               + ": leaves room outside vLLM's budget for the sampler's tensors",
+               {"gpu_memory_utilization": lower} if lower else {}, True, domain="serving")
+    return [seqs, room]
 
 
 def vllm_max_len(event: OomEvent, s: Situation) -> list[Fix]:
@@ -198,6 +233,10 @@ def serving_fixes(event: OomEvent, cause: Cause, s: Situation) -> list[Fix]:
         return vllm_no_kv(event, s)
     if cause.code == "vllm_max_len":
         return vllm_max_len(event, s)
+    if cause.code == "vllm_cuda_graphs":
+        return vllm_cuda_graphs(s)
+    if cause.code == "vllm_sampler":
+        return vllm_sampler(event, s)
     if cause.code == "vllm_runtime":
         return vllm_serving_runtime(event, s)
     if cause.code == "host_ram":

@@ -88,10 +88,11 @@ def clean_line(raw: str) -> CleanLine:
     return CleanLine(_BOX_END.sub("", text), rank, pid)
 
 
-def _split_interleaved(raw_lines: list[str]) -> list[CleanLine]:
+def _split_interleaved(raw_lines: list[str], numbers: list[int] | None = None) -> list[CleanLine]:
     out: list[CleanLine] = []
     interrupted: int | None = None  # rank of the last piece another rank's line cut short
-    for number, raw in enumerate(raw_lines):
+    for index, raw in enumerate(raw_lines):
+        number = numbers[index] - 1 if numbers is not None else index
         starts = [m.start() for m in _MID_RANK.finditer(raw) if m.start() > 0] \
             if "]:" in raw else []
         pieces = [raw[a:b] for a, b in zip([0, *starts], [*starts, len(raw)], strict=True)]
@@ -108,10 +109,16 @@ def _split_interleaved(raw_lines: list[str]) -> list[CleanLine]:
 
 
 class LogText:
-    """Clean lines of a log, their joined text, and position → line mapping."""
+    """Clean lines of a log, their joined text, and position → line mapping.
 
-    def __init__(self, raw: str) -> None:
-        self.lines: list[CleanLine] = _split_interleaved(raw.splitlines())
+    ``numbers``: the 1-based log line of each line of ``raw`` when ``raw`` is an
+    excerpt of a longer log (diagnose/stream.py); by default its own numbering."""
+
+    def __init__(self, raw: str, numbers: list[int] | None = None) -> None:
+        raw_lines = raw.splitlines()
+        if numbers is not None and len(numbers) != len(raw_lines):
+            numbers = None  # the excerpt's lines held line breaks of their own
+        self.lines: list[CleanLine] = _split_interleaved(raw_lines, numbers)
         self.text = "\n".join(line.text for line in self.lines)
         self._starts: list[int] = []
         pos = 0

@@ -37,7 +37,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import replace
 
-from .events import VLLM_FREE_MEMORY, VLLM_MAX_LEN, VLLM_NO_KV, OomEvent
+from .events import VLLM_FREE_MEMORY, VLLM_MAX_LEN, VLLM_NO_KV, VLLM_SAMPLER, OomEvent
 from .sizes import NUM, group_bytes, size, to_bytes
 from .text import LogText, scan, squeeze
 
@@ -87,6 +87,11 @@ _CONCURRENCY = re.compile(rf"Maximum{_S}concurrency{_S}for{_S}(?P<len>\d+){_S}to
                           rf"{_S}request:\s*(?P<x>{NUM})x")
 # vLLM V0: worker.initialize_cache → raise_if_cache_size_invalid raises one of the two
 # KV-cache errors; a fragment may show only the call or the executor's error line
+# vLLM V1 gpu_model_runner.py _dummy_sampler_run re-raises the sampler's torch OOM as
+# RuntimeError("CUDA out of memory occurred when warming up sampler with N dummy requests.
+# Please try lowering `max_num_seqs` or `gpu_memory_utilization` when initializing the engine.")
+SAMPLER = re.compile(rf"CUDA{_S}out{_S}of{_S}memory{_S}occurred{_S}when{_S}warming{_S}up{_S}"
+                     rf"sampler(?:{_S}with{_S}(?P<n>\d+){_S}dummy{_S}requests)?")
 _CACHE_CHECK = re.compile(r"raise_if_cache_size_invalid|Error executing method initialize_cache")
 VLLM_BLOCK_SIZE = 16  # vLLM's default KV block size (tokens)
 _FRAGMENT_WINDOW = 60  # lines: the final error of a start-up failure follows its profile
@@ -122,6 +127,10 @@ def find_vllm_events(log: LogText) -> Iterator[OomEvent]:
             "kv_needed_bytes": to_bytes(m.group("need"), "GB", binary_gb=True),
             "kv_available_bytes": to_bytes(m.group("avail"), "GB", binary_gb=True),
         })
+    for m in scan(SAMPLER, text, ("warming up sampler", "warming up\nsampler")):
+        numbers = {"dummy_requests": int(m.group("n"))} if m.group("n") else {}
+        yield replace(_event(log, m, VLLM_SAMPLER, numbers), phase="vllm_sampler_warmup",
+                      library="vllm")
     for m in scan(FREE_MEMORY, text, ("Free memory on device",)):
         yield _event(log, m, VLLM_FREE_MEMORY, {
             "free_bytes": _gib(m.group("free")), "total_bytes": _gib(m.group("total")),

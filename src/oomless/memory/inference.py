@@ -4,25 +4,38 @@ vLLM (v1, vllm/v1/worker/gpu_worker.py determine_available_memory;
 vllm/utils/mem_utils.py): the budget is ``gpu_memory_utilization`` × the
 card's total memory. The engine subtracts its non-KV memory — weights, the
 torch peak of a profile run over ``max_num_batched_tokens`` and non-torch
-memory (CUDA context, CUDA graphs, NCCL) — and fills the rest with KV blocks of
-``2 × block_size × kv_heads × head_dim × dtype bytes`` per layer. "No
-available memory for the cache blocks" means that rest is ≤ 0.
+memory (CUDA context, NCCL and custom all-reduce buffers) — and fills the rest with
+KV blocks of ``2 × block_size × kv_heads × head_dim × dtype bytes`` per layer. "No
+available memory for the cache blocks" means that rest is ≤ 0. CUDA graphs are
+captured after the KV cache is sized (gpu_worker.compile_or_warm_up_model runs after
+initialize_from_config; vLLM's own log lists "CUDAGraph memory" apart and suggests
+``--kv-cache-memory`` to account for it), so they come out of the memory above the
+budget, not out of the KV cache. Several GPUs: memory.vllm_parallel (per rank).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..models.hardware import GPUSpec
 from ..models.spec import ModelSpec
 from ..units import GiB, MiB
 from . import constants as C
 from .training import kv_cache_bytes
+from .vllm_parallel import (
+    VllmParallel,
+    comm_buffer_bytes,
+    kv_heads_per_rank,
+    kv_layers_per_gpu,
+    parallel_assumptions,
+    weight_bytes_per_gpu,
+)
 
-# vLLM captures CUDA graphs for decode batch sizes up to 512; their memory is
-# outside torch's profile peak. Reported 0.3–1.5 GiB on 7B-class models; we take
-# 1 GiB (vLLM ≥ 0.10 prints its own estimate at start-up: "CUDA graph memory").
+# vLLM captures CUDA graphs for decode batch sizes up to 512, after the KV cache is
+# sized: their memory is neither in the profile peak nor in the KV budget, it must fit
+# above gpu_memory_utilization. Reported 0.3–1.5 GiB on 7B-class models; we take 1 GiB
+# (vLLM ≥ 0.10 prints its own figure at start-up: "GiB for CUDAGraph memory").
 VLLM_CUDAGRAPH_BYTES = 1 * GiB
 # Default chunked-prefill token budget of a v1 offline engine (EngineArgs
 # max_num_batched_tokens for LLM on a data-centre GPU; 2048 on small cards).
@@ -43,12 +56,15 @@ def weight_bytes_16bit(spec: ModelSpec, elem_bytes: int = 2) -> int:
     return spec.param_count * elem_bytes
 
 
-def forward_peak_bytes(spec: ModelSpec, tokens: int, elem_bytes: int = 2) -> int:
+def forward_peak_bytes(spec: ModelSpec, tokens: int, elem_bytes: int = 2, tp: int = 1) -> int:
     """Torch peak of a no-grad forward over ``tokens`` tokens: one layer's
     intermediates (q, k, v, attention output, MLP gate/up/act) plus the
-    residual stream twice. Attention is flash/paged (no s² scores)."""
+    residual stream twice. Attention is flash/paged (no s² scores). Under tensor
+    parallelism each rank computes its share of heads and MLP width; the residual
+    stream is whole after each all-reduce."""
     width = max(spec.intermediate_size, spec.moe_intermediate_size * spec.experts_per_token)
-    layer = tokens * (3 * width + 2 * spec.q_dim + 2 * spec.kv_dim) * elem_bytes
+    kv = kv_heads_per_rank(spec, tp) * spec.head_dim
+    layer = tokens * (3 * math.ceil(width / tp) + 2 * spec.q_dim // tp + 2 * kv) * elem_bytes
     return layer + 2 * tokens * spec.hidden_size * elem_bytes
 
 
@@ -88,7 +104,8 @@ class VllmBudget:
     budget_bytes: int
     weights_bytes: int
     profile_peak_bytes: int
-    non_torch_bytes: int
+    non_torch_bytes: int  # CUDA context + NCCL and custom all-reduce buffers
+    cudagraph_bytes: int  # captured after the KV cache is sized: above the budget
     kv_cache_bytes: int  # what is left for KV blocks under this utilization
     block_bytes: int
     num_blocks: int
@@ -100,14 +117,25 @@ class VllmBudget:
     holds_max_num_seqs: bool  # the chosen utilization holds max_num_seqs full-length sequences
     fits: bool  # at least one full-length sequence fits
     free_at_start_ok: bool  # the budget is not more than what is free at start-up
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    assumptions: tuple[str, ...] = ()
+    # the CUDA graphs, captured after the KV cache, fit above the budget (else vLLM can run
+    # out of memory while capturing them: lower the utilization or enforce_eager)
+    cudagraphs_fit: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def kv_block_bytes(spec: ModelSpec, block_size: int, kv_elem_bytes: int) -> int:
-    """One KV block across all layers: 2 (K and V) × block × kv_heads × head_dim × bytes × L."""
-    return 2 * block_size * spec.kv_dim * kv_elem_bytes * spec.num_layers
+def kv_block_bytes(spec: ModelSpec, block_size: int, kv_elem_bytes: int,
+                   par: VllmParallel | None = None) -> int:
+    """One KV block across the layers of one GPU: 2 (K and V) × block × kv_heads × head_dim
+    × bytes × L; per rank: the rank's KV heads and its pipeline stage's layers."""
+    par = par or VllmParallel()
+    kv_dim = kv_heads_per_rank(spec, par.tensor_parallel_size) * spec.head_dim
+    return 2 * block_size * kv_dim * kv_elem_bytes * kv_layers_per_gpu(spec, par)
 
 
 def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs: int = 256,
@@ -115,30 +143,35 @@ def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs:
                 block_size: int = VLLM_DEFAULT_BLOCK_SIZE,
                 max_num_batched_tokens: int | None = None, lora_rank: int = 0,
                 max_loras: int = 1, used_by_others_bytes: int = 0,
-                headroom: float = 0.02) -> VllmBudget:
+                headroom: float = 0.02, parallel: VllmParallel | None = None) -> VllmBudget:
     """vLLM's memory arithmetic; with no utilization given, choose the smallest
     that holds ``max_num_seqs`` sequences of ``max_model_len`` tokens (+ headroom),
     capped by MAX_UTILIZATION and by what other processes leave free (then
     ``holds_max_num_seqs`` is False and vLLM queues what the KV cache cannot hold)."""
+    par = parallel or VllmParallel()
+    tp = par.tensor_parallel_size
     total = gpu.memory_bytes
     kv_b = 1 if kv_cache_dtype.startswith("fp8") else 2
-    weights = weight_bytes_16bit(spec)
+    weights = weight_bytes_per_gpu(spec, par)
     if lora_rank:
-        # vLLM pre-allocates LoRA slots for max_loras adapters over all linears.
+        # vLLM pre-allocates LoRA slots for max_loras adapters over all linears
+        # (the B side split like the base layer's output under TP: counted whole, an upper bound).
         per = sum(lin.in_features + lin.out_features for lin in spec.layer_linears())
-        weights += max_loras * lora_rank * per * spec.num_layers * 2
+        weights += max_loras * lora_rank * per * kv_layers_per_gpu(spec, par) * 2
     batched = max_num_batched_tokens or max(VLLM_DEFAULT_BATCHED_TOKENS, 0)
     batched = min(batched, max(max_model_len, batched))
-    profile = forward_peak_bytes(spec, batched) + 3 * 4 * max_num_seqs * spec.vocab_size
-    non_torch = C.CUDA_CONTEXT_BYTES + VLLM_CUDAGRAPH_BYTES
+    profile = forward_peak_bytes(spec, batched, tp=tp) + 3 * 4 * max_num_seqs * spec.vocab_size
+    non_torch = C.CUDA_CONTEXT_BYTES + comm_buffer_bytes(par)
     non_kv = weights + profile + non_torch
-    block = kv_block_bytes(spec, block_size, kv_b)
+    block = kv_block_bytes(spec, block_size, kv_b, par)
     blocks_needed = max_num_seqs * math.ceil(max_model_len / block_size)
     kv_needed = blocks_needed * block
     required = (non_kv + kv_needed) / total + headroom
     # vLLM checks free memory after its own CUDA context exists
-    # (gpu_worker.init_device), so the cap leaves room for that context.
-    free_frac = (total - used_by_others_bytes - C.CUDA_CONTEXT_BYTES) / total
+    # (gpu_worker.init_device), so the cap leaves room for that context; the CUDA
+    # graphs captured after the KV cache need room above the budget too.
+    free_frac = (total - used_by_others_bytes - C.CUDA_CONTEXT_BYTES
+                 - VLLM_CUDAGRAPH_BYTES) / total
     util = gpu_memory_utilization if gpu_memory_utilization is not None else min(
         round(math.ceil(required * 100) / 100, 2), MAX_UTILIZATION,
         round(math.floor(free_frac * 100) / 100, 2))
@@ -149,13 +182,17 @@ def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs:
     return VllmBudget(
         total_memory_bytes=total, gpu_memory_utilization=util, budget_bytes=budget,
         weights_bytes=weights, profile_peak_bytes=profile, non_torch_bytes=non_torch,
-        kv_cache_bytes=kv, block_bytes=block, num_blocks=num_blocks,
+        cudagraph_bytes=VLLM_CUDAGRAPH_BYTES, kv_cache_bytes=kv, block_bytes=block, num_blocks=num_blocks,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_concurrency=round(concurrency, 2), required_bytes=int(required * total),
         required_utilization=round(required, 4) if required <= 1 else None,
         holds_max_num_seqs=concurrency >= max_num_seqs,
         fits=num_blocks * block_size >= max_model_len,
         free_at_start_ok=budget <= total - used_by_others_bytes + 64 * MiB,
+        cudagraphs_fit=budget + VLLM_CUDAGRAPH_BYTES <= total - used_by_others_bytes,
+        tensor_parallel_size=tp, pipeline_parallel_size=par.pipeline_parallel_size,
+        data_parallel_size=par.data_parallel_size,
+        assumptions=tuple(parallel_assumptions(spec, par)),
     )
 
 
@@ -201,6 +238,15 @@ class EngineRequest:
     trust_remote_code: bool = False
     seed: int = 42
     kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    nodes: int = 1  # an engine across nodes runs on vLLM's Ray backend
+
+    @property
+    def parallel(self) -> VllmParallel:
+        return VllmParallel(self.tensor_parallel_size, self.pipeline_parallel_size,
+                            self.data_parallel_size)
 
 
 def vllm_engine_args(spec: ModelSpec, gpu: GPUSpec, req: EngineRequest,
@@ -212,7 +258,8 @@ def vllm_engine_args(spec: ModelSpec, gpu: GPUSpec, req: EngineRequest,
                          max_num_seqs=req.max_num_seqs,
                          gpu_memory_utilization=req.gpu_memory_utilization, lora_rank=rank,
                          kv_cache_dtype=req.kv_cache_dtype,
-                         used_by_others_bytes=used_by_others_bytes + ENGINE_CONTEXT_BYTES)
+                         used_by_others_bytes=used_by_others_bytes + ENGINE_CONTEXT_BYTES,
+                         parallel=req.parallel)
     args: dict = {
         "model": served_model_id(req.model), "dtype": req.dtype,
         "max_model_len": req.max_model_len,
@@ -227,4 +274,43 @@ def vllm_engine_args(spec: ModelSpec, gpu: GPUSpec, req: EngineRequest,
         args["max_lora_rank"] = rank
     if req.kv_cache_dtype != "auto":
         args["kv_cache_dtype"] = req.kv_cache_dtype
+    args.update(parallel_engine_args(req))
     return args, budget
+
+
+def parallel_engine_args(req: EngineRequest) -> dict:
+    """vLLM's parallel arguments, only where they differ from its defaults; an engine that
+    spans nodes uses the Ray backend (vLLM's distributed serving docs)."""
+    out: dict = {}
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if getattr(req, name) > 1:
+            out[name] = getattr(req, name)
+    if req.nodes > 1 and req.parallel.engine_gpus > 1:
+        out["distributed_executor_backend"] = "ray"
+    return out
+
+
+def smallest_fitting_parallel(spec: ModelSpec, gpu: GPUSpec, req: EngineRequest,
+                              gpus_per_node: int, nodes: int = 1) -> EngineRequest | None:
+    """The smallest engine (TP within a node first, then PP across nodes, as vLLM's docs
+    advise) that holds one full-length sequence; the GPUs left over become data-parallel
+    replicas. None when even every GPU is not enough."""
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and spec.num_heads % t == 0]
+    shapes = [(t, 1) for t in tps] + [(tps[-1], p) for p in range(2, nodes + 1)
+                                      if p <= spec.num_layers]
+    for tp, pp in shapes:
+        trial = replace(req, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                        data_parallel_size=1, nodes=1 if pp == 1 else nodes)
+        _, budget = vllm_engine_args(spec, gpu, trial)
+        if budget.fits:
+            dp = (gpus_per_node * nodes) // (tp * pp) if pp == 1 else 1
+            return replace(trial, data_parallel_size=max(1, dp))
+    return None
+
+
+def parallel_hint(spec: ModelSpec, cluster, req: EngineRequest, budget: VllmBudget) -> dict | None:
+    """What to pass to vLLM when a one-GPU engine does not fit but the cluster has more GPUs."""
+    if budget.fits or req.parallel != VllmParallel() or cluster.world_size == 1:
+        return None
+    found = smallest_fitting_parallel(spec, cluster.gpu, req, cluster.gpus_per_node, cluster.nodes)
+    return None if found is None else parallel_engine_args(found)

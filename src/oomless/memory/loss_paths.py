@@ -18,8 +18,9 @@ code of transformers 4.36 to 5.23 in both conventions; the analytic slope equals
 Fused losses never build the t × V logits: Liger's fused linear cross-entropy
 (one chunk of rows × V in the activation dtype, plus the t × hidden input gradient it
 computes in the forward), TRL's fused LM head (4096-token × 32768-entry tiles, an fp32
-t × hidden gradient in the backward) and Unsloth's fused cross-entropy (chunks sized to
-16 B per logit within 4 GiB).
+t × hidden gradient in the backward), Unsloth's fused cross-entropy (chunks sized to
+16 B per logit within 4 GiB) and torchtune's chunked cross-entropy (8 chunks upcast one
+at a time; their fp32 log-probabilities saved).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from .stacks import LOSS_PATHS, LossPath, StackEffects, stack_effects
 # _CHUNKED_LOGPROB_CHUNK_SIZE (vocabulary entries per tile)
 TRL_TOKEN_TILE = 4096
 TRL_VOCAB_TILE = 32768
+# unsloth models/llama.py CausalLM_fast_forward: `if bsz*q_len <= 1024: RETURN_LOGITS = True`
+UNSLOTH_CCE_MIN_TOKENS = 1024
+# torchtune modules/loss/ce_chunked_output_loss.py, cross_entropy_loss.py: num_output_chunks
+TORCHTUNE_CHUNKS = 8
 # unsloth_zoo fused_losses/cross_entropy_loss.py: _CE_BYTES_PER_LOGIT, _CE_TARGET_GB_CAP
 UNSLOTH_BYTES_PER_LOGIT = 16
 UNSLOTH_TARGET_BYTES = 4 * GiB
@@ -100,6 +105,17 @@ def _fused(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int, kind: str) -> di
         chunk = min(t, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(t / math.ceil(v / h)))))))
         saved = a * t * h + 4 * t + lm_head_grad  # grad_input (+ grad_weight), loss_1d
         return {"forward": saved + a * chunk * v, "backward": saved, "held": 0}
+    if kind.startswith("torchtune"):
+        return _torchtune(t, v, a, kind)
+    if kind == "unsloth-triton":
+        # the bf16 logits, saved; per-row loss and logsumexp in fp32; the backward's
+        # gradient overwrites the logits (kernels/cross_entropy_loss.py)
+        return {"forward": a * t * v + 8 * t, "backward": a * t * v + a * t * h, "held": 0}
+    if kind == "unsloth-cce" and t > UNSLOTH_CCE_MIN_TOKENS:
+        # cut_cross_entropy: per-row logsumexp and loss; the t × hidden input gradient
+        return {"forward": 8 * t, "backward": 8 * t + a * t * h + lm_head_grad, "held": 0}
+    if kind == "unsloth-cce":  # RETURN_LOGITS for short batches: the Triton path
+        return {"forward": a * t * v + 8 * t, "backward": a * t * v + a * t * h, "held": 0}
     if kind == "trl":
         # the tile buffer is min(tokens, 4096) × 32768 whatever the vocabulary
         tile = a * min(t, TRL_TOKEN_TILE) * TRL_VOCAB_TILE
@@ -112,6 +128,20 @@ def _fused(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int, kind: str) -> di
     return {"forward": chunked + a * t * h, "backward": chunked + a * t * h, "held": 0}
 
 
+def _torchtune(t: int, v: int, a: int, kind: str) -> dict[str, float]:
+    """torchtune's chunked cross-entropy, eager: every chunk's fp32 log-probabilities are
+    saved for backward (log_softmax keeps its output); one chunk is upcast (and, for
+    LinearCrossEntropyLoss, projected) at a time; the chunked-output loss also holds the
+    model's 16-bit logits until the loss returns (the recipe then deletes them)."""
+    chunk = math.ceil(t / TORCHTUNE_CHUNKS) * v
+    saved = C.LOSS_FP32_BYTES * t * v
+    model_logits = a * t * v if kind == "torchtune-chunked" else 0
+    forward = model_logits + saved + (a + C.LOSS_FP32_BYTES) * chunk
+    # one chunk's backward: nll's gradient, log_softmax's fp32 gradient, the 16-bit cast's
+    backward = saved + (2 * C.LOSS_FP32_BYTES + a) * chunk
+    return {"forward": forward, "backward": backward, "held": 0}
+
+
 def largest_logits_block_bytes(spec: ModelSpec, cfg: RunConfig, t: int) -> float:
     """The largest single block the loss allocates: one fp32 t × V tensor, or a fused
     loss's tile."""
@@ -120,4 +150,9 @@ def largest_logits_block_bytes(spec: ModelSpec, cfg: RunConfig, t: int) -> float
         return C.LOSS_FP32_BYTES * t * spec.vocab_size
     if fx.fused_loss == "unsloth":
         return min(UNSLOTH_BYTES_PER_LOGIT * t * spec.vocab_size, UNSLOTH_TARGET_BYTES) / 4
+    if fx.fused_loss.startswith("torchtune"):
+        return C.LOSS_FP32_BYTES * math.ceil(t / TORCHTUNE_CHUNKS) * spec.vocab_size
+    if fx.fused_loss == "unsloth-triton" or (fx.fused_loss == "unsloth-cce"
+                                             and t <= UNSLOTH_CCE_MIN_TOKENS):
+        return 2 * t * spec.vocab_size  # the model's bf16 logits
     return 4 * t * spec.hidden_size

@@ -140,10 +140,36 @@ PROFILES: dict[str, tuple[Behaviour, ...]] = {
     "unsloth": HF_TRAINER + (
         _B("unsloth-offload-ckpt", "checkpointed layer inputs offloaded to host RAM",
            "unsloth_zoo gradient_checkpointing.py Unsloth_Offloaded_Gradient_Checkpointer"),
-        _B("unsloth-fused-ce", "cross-entropy fused with lm_head in chunks sized to at most "
-           "16 B × tokens × vocabulary per chunk and 4 GiB in all (half the free memory "
-           "when less)", "unsloth_zoo fused_losses/cross_entropy_loss.py get_chunk_size, "
-           "_CE_BYTES_PER_LOGIT, _CE_TARGET_GB_CAP"),
+        _B("unsloth-fused-ce", "from 2025.8.5: cross-entropy fused with lm_head in chunks "
+           "sized to at most 16 B × tokens × vocabulary per chunk and 4 GiB in all (half the "
+           "free memory when less)", "unsloth_zoo fused_losses/cross_entropy_loss.py "
+           "get_chunk_size, _CE_BYTES_PER_LOGIT, _CE_TARGET_GB_CAP"),
+        _B("unsloth-cce", "2024.11.8 to 2025.8.4: cut_cross_entropy's linear_cross_entropy "
+           "(no logits) for batches over 1024 tokens", "unsloth models/llama.py "
+           "CausalLM_fast_forward (HAS_CUT_CROSS_ENTROPY, RETURN_LOGITS)"),
+        _B("unsloth-triton-ce", "to 2024.11.7: the model's bf16 logits and a Triton "
+           "cross-entropy whose backward writes the gradient into the logits in place",
+           "unsloth kernels/cross_entropy_loss.py Fast_CrossEntropyLoss"),
+    ),
+    "torchtune": (
+        _B("torchtune-dtype", "the model runs in its dtype (bf16) without autocast: full "
+           "fine-tuning is pure bf16 (no fp32 master weights, AdamW states bf16), LoRA "
+           "adapters bf16", "torchtune recipes/full_finetune_single_device.py _setup_model "
+           "(training.set_default_dtype); modules/peft/lora.py LoRALinear"),
+        _B("torchtune-chunked-ce", "transformers' loss is not used: torchtune ≤ 0.6 "
+           "CEWithChunkedOutputLoss (the model returns its bf16 logits in 8 chunks, each "
+           "upcast to fp32 on its own), later LinearCrossEntropyLoss (the output projection "
+           "runs per chunk of 8 inside the loss: the full logits never exist); eager "
+           "F.cross_entropy keeps each chunk's fp32 log-probabilities for backward",
+           "torchtune modules/loss/ce_chunked_output_loss.py, cross_entropy_loss.py "
+           "(num_output_chunks=8)"),
+        _B("optimizer_in_bwd", "each parameter's optimizer step runs in a "
+           "post-accumulate-grad hook that then frees its gradient: gradients never exist "
+           "all at once", "torchtune training/memory.py register_optim_in_bwd_hooks "
+           "(optim_step: step, zero_grad)"),
+        _B("enable_activation_offloading", "saved activations (the checkpointed layer "
+           "inputs under activation checkpointing) copied to host RAM",
+           "torchtune training/_activation_offloading.py OffloadActivations"),
     ),
     "custom-loop": (
         _B("no-autocast", "the model runs in its 16-bit dtype without autocast; fp32 LoRA "
@@ -179,6 +205,7 @@ class StackEffects:
     lmhead_fp32_output: bool = False
     fused_loss: str = ""  # "", "liger", "trl", "unsloth"
     offload_checkpoints: bool = False
+    optimizer_in_bwd: bool = False  # gradients stepped and freed one parameter at a time
     # prepare_model_for_kbit_training ran: every 16-bit non-quantized parameter was fp32
     # before the stack's recasts; setup_cache: the freed 16-bit originals stay in the
     # caching allocator (PEFT before PR #3293 added torch.cuda.empty_cache)
@@ -228,10 +255,13 @@ def _effects(stack: str, method: str, zero: int, grad_ckpt: bool, precision: str
     elif cfg.stack == "axolotl" and qlora_single:
         fx = replace(fx, fp32_groups=frozenset({"other"}), setup_upcast=True)
     elif cfg.stack == "unsloth":
-        fx = replace(fx, fused_loss="unsloth", offload_checkpoints=cfg.grad_ckpt)
+        fx = replace(fx, fused_loss=unsloth_loss(cfg.stack_options),
+                     offload_checkpoints=cfg.grad_ckpt)
         notes.append("Unsloth modelled from its source (it does not install beside oomless' "
                      "pins): offloaded checkpointing and the fused chunked cross-entropy; its "
                      "own Triton kernels for RoPE, RMSNorm and SwiGLU are counted as HF's")
+    elif cfg.stack == "torchtune":
+        fx = _torchtune(fx, cfg, notes)
     elif cfg.stack == "custom-loop":
         pure = cfg.precision in ("bf16", "fp16")
         fx = replace(fx, autocast=not pure, keep_outputs=True,
@@ -254,6 +284,42 @@ def _effects(stack: str, method: str, zero: int, grad_ckpt: bool, precision: str
         if fx.fused_loss == "liger":
             fx = replace(fx, fused_loss="")
     return replace(fx, notes=tuple(notes))
+
+
+# Unsloth's loss by release (unslothai/unsloth unsloth/models/llama.py
+# CausalLM_fast_forward): to 2024.11.7 the model's bf16 logits and the Triton
+# fast_cross_entropy_loss (its backward writes the gradient into the logits in place);
+# from the next release (commit fa8e59eb "Cut Cross Entropy") cut_cross_entropy's
+# linear_cross_entropy, no logits, for batches over 1024 tokens; from 2025.8.5
+# (commit 806bee24) unsloth_zoo's unsloth_fused_ce_loss in chunks.
+UNSLOTH_LOSSES = (((0,), "unsloth-triton"), ((2024, 11, 8), "unsloth-cce"),
+                  ((2025, 8, 5), "unsloth"))
+NEWEST_UNSLOTH = "2026.10.9"
+
+
+def unsloth_loss(opts: StackOptions) -> str:
+    version = version_tuple(opts.stack_version or installed_version("unsloth")
+                            or NEWEST_UNSLOTH)
+    return [name for since, name in UNSLOTH_LOSSES if version >= since][-1]
+
+
+# torchtune's loss moved into the output projection after 0.6 (LinearCrossEntropyLoss in
+# the recipes' configs since pytorch/torchtune#2531, after the v0.6.1 release)
+TORCHTUNE_LINEAR_CE_SINCE = (0, 7)
+NEWEST_TORCHTUNE = "0.7"
+
+
+def _torchtune(fx: StackEffects, cfg: _Inputs, notes: list[str]) -> StackEffects:
+    opts = cfg.stack_options
+    version = opts.stack_version or installed_version("torchtune") or NEWEST_TORCHTUNE
+    loss = ""
+    if opts.chunked_loss is not False:
+        linear = version_tuple(version) >= TORCHTUNE_LINEAR_CE_SINCE
+        loss = "torchtune-linear" if linear else "torchtune-chunked"
+    notes.append("torchtune: eager loss (compile: True keeps the 16-bit logits instead of "
+                 "fp32 log-probabilities and needs less; not modelled)")
+    return replace(fx, autocast=False, adapters_16bit=True, fused_loss=loss,
+                   optimizer_in_bwd=opts.optimizer_in_bwd and cfg.zero == 0)
 
 
 def stack_assumptions(cfg: RunConfig) -> list[str]:
@@ -284,5 +350,7 @@ def stack_assumptions(cfg: RunConfig) -> list[str]:
         out.append(f"fused loss ({fx.fused_loss}): the full logits are never materialised")
     if fx.offload_checkpoints:
         out.append("checkpointed layer inputs live in host RAM; one layer's input on the GPU")
+    if fx.optimizer_in_bwd:
+        out.append("optimizer in backward: one parameter's gradient at a time (the largest)")
     out.extend(fx.notes)
     return out

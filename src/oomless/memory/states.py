@@ -16,6 +16,7 @@ from .quantized import check_prequantized, quant_constant_bytes, quantized_weigh
 from .stacks import StackEffects, stack_effects
 from .stages import score_head_param_delta
 from .vision import vision_trainable_params
+from .zero_buffers import fsdp2_gathered_bytes, zero_buffers
 
 # Module names people write in LoRA target lists → our canonical names
 # (ChatGLM, Phi-2, GPT-2, Mixtral-legacy, InternLM spellings).
@@ -90,6 +91,16 @@ def largest_module_params(spec: ModelSpec) -> int:
 def largest_linear_params(spec: ModelSpec) -> int:
     lins: list[LinearSpec] = spec.layer_linears()
     return max(lin.weight_params // lin.count for lin in lins)
+
+
+def largest_trainable_tensor(spec: ModelSpec, cfg: RunConfig, targets: set[str]) -> int:
+    """Elements of the largest trained parameter: a full model's embedding, lm_head or
+    largest linear; LoRA's largest A or B matrix."""
+    if cfg.method == "full":
+        return max(spec.embedding_params, spec.lm_head_params, largest_linear_params(spec))
+    sizes = [max(lin.in_features, lin.out_features) for lin in spec.layer_linears()
+             if lin.name in targets]
+    return cfg.lora.r * max(sizes, default=spec.hidden_size)
 
 
 @dataclass
@@ -178,6 +189,11 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     st.trainable_params = trainable
 
     weights = weight_bytes(spec, cfg, dt) + head_weights * dt.base_weight_bytes
+    buffers = zero_buffers(cfg.zero, cfg.deepspeed.model_dump(), spec.hidden_size,
+                           largest_module_params(spec), dt.grad_bytes, dt.base_weight_bytes)
+    fsdp = cfg.training.engine == "fsdp"  # FSDP2 has no DeepSpeed buckets
+    if cfg.zero and not fsdp:
+        st.assumptions.extend(buffers.notes)
     shard3 = n if cfg.zero == 3 else 1  # ZeRO-3 partitions the parameters
     shard_opt = n if cfg.zero >= 1 else 1  # ZeRO-1+ partitions optimizer states
     params_on_host = cfg.offload == "all"
@@ -192,15 +208,20 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
             "sharded, the quantization constants (absmax) stay on every GPU; the largest "
             "module (a layer in packed 4-bit, or the 16-bit embedding / lm_head) is gathered, "
             "plus a prefetch bucket of 0.9·hidden² elements")
-    elif cfg.zero == 3:
-        live = C.ZERO3_LIVE_LAYER_BYTES_PER_PARAM * largest_module_params(spec)
-        prefetch = C.ZERO3_PREFETCH_FRACTION * spec.hidden_size**2 * dt.base_weight_bytes
-        st.gpu["zero3_gathered"] = round(live + prefetch)
+    elif cfg.zero == 3 and fsdp:
+        layer = max(spec.layer_params(False), spec.layer_params(True) if spec.is_moe else 0)
+        root = spec.embedding_params + spec.lm_head_params + spec.norm_params
+        st.gpu["zero3_gathered"] = fsdp2_gathered_bytes(
+            root, layer, dt.base_weight_bytes, dt.grad_bytes, cfg.method == "full")
         st.assumptions.append(
-            "ZeRO-3: the largest module (layer, embedding or lm_head) is gathered at "
-            "4 B/param (16-bit weight + grad, DeepSpeed's estimator) plus a prefetch "
-            "bucket of 0.9·hidden² elements (HF 'auto')"
-        )
+            "FSDP2 (fully_shard per decoder layer, then the model): the root group (embedding, "
+            "LM head, final norm) stays gathered through forward and backward, two layers are "
+            "gathered at once (prefetch), unsharded gradients wait for the reduce-scatter")
+    elif cfg.zero == 3:
+        st.gpu["zero3_gathered"] = buffers.gathered_bytes
+        st.assumptions.append(
+            "ZeRO-3: the largest module (layer, embedding or lm_head) is gathered with its "
+            "16-bit gradient (DeepSpeed's estimator counts 4 B/param) plus the prefetch")
     if adapter:
         st.gpu["lora_adapters"] = round(adapter * dt.trainable_bytes / shard3)
 
@@ -236,12 +257,16 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
         st.host_bytes += round(weights / n * cfg.hardware.gpus_per_node)
 
     grads = trainable * dt.grad_bytes
-    if cfg.zero >= 2:
-        # reduce bucket of hidden² elements (HF "auto"), never more than the grads
-        bucket = min(spec.hidden_size**2 * dt.grad_bytes, grads)
-        st.gpu["gradients"] = round(grads / n + bucket)
-    else:
-        st.gpu["gradients"] = round(grads)
+    # ZeRO-2/3 keep each rank's gradient partition; ZeRO-1+ adds DeepSpeed's staging
+    # buffer(s) of reduce_bucket_size elements (memory/zero_buffers.py)
+    shard_grads = n if cfg.zero >= 2 else 1
+    st.gpu["gradients"] = round(grads / shard_grads + (buffers.gradient_staging_bytes
+                                                       if cfg.zero and not fsdp else 0))
+    if stack_effects(cfg).optimizer_in_bwd:
+        # torchtune training/memory.py register_optim_in_bwd_hooks: each gradient is
+        # stepped and freed as soon as it is accumulated: the largest one at a time
+        st.gpu["gradients"] = round(min(grads, largest_trainable_tensor(spec, cfg, targets)
+                                        * dt.grad_bytes))
     if cfg.zero == 0 and n > 1:
         # torch DDP copies gradients into flat buckets (gradient_as_bucket_view=False,
         # the HF/accelerate default): a second copy of all trainable gradients.

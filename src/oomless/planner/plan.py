@@ -23,6 +23,7 @@ from typing import Any
 
 from ..config import RunConfig
 from ..models.spec import ModelSpec
+from ..units import fmt_bytes
 from .candidates import SEARCH_ASSUMPTIONS, PlanRequest, batch_splits, families
 from .scoring import CandidateScorer, Fit
 from .speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
@@ -229,7 +230,33 @@ def _pick(req: PlanRequest, found: list[_Found]) -> list[_Found]:
     return sorted(best.values(), key=lambda f: f.key)[: req.top]
 
 
-def _to_plan(spec: ModelSpec, req: PlanRequest, f: _Found) -> Plan:
+def method_reasons(req: PlanRequest, found: list[_Found], missed: dict) -> dict[str, str]:
+    """Why a plan's method is not the requested one (--method auto, or a retry after the
+    requested method did not fit): {method: reason}, for the plans' change lists."""
+    base = req.base.method
+    best: dict[str, float] = {}
+    clean = [f for f in found if not f.tradeoffs] or found  # like for like: no trade-offs
+    for f in clean:
+        best[f.cfg.method] = max(best.get(f.cfg.method, 0.0), f.step.tokens_per_s)
+    nearest = min((fit.over_bytes for g, (fit, cfg) in missed.items() if cfg.method == base),
+                  default=None)
+    out = {}
+    for method, tps in best.items():
+        if method == base:
+            continue
+        if base in best:
+            ratio = tps / best[base] - 1
+            out[method] = (f"{ratio:+.0%} tokens/s against the best {base} plan "
+                           f"({tps:,.0f} vs {best[base]:,.0f}; 4-bit/8-bit dequantisation, "
+                           "offload and communication counted)")
+        else:
+            over = f", the nearest {fmt_bytes(nearest)} over" if nearest else ""
+            out[method] = f"no {base} configuration fits these GPUs{over}"
+    return out
+
+
+def _to_plan(spec: ModelSpec, req: PlanRequest, f: _Found,
+             reasons: dict[str, str] | None = None) -> Plan:
     from ..memory.training import estimate_training
 
     cfg = RunConfig.model_validate(f.cfg.model_dump())  # validated before it leaves
@@ -245,10 +272,15 @@ def _to_plan(spec: ModelSpec, req: PlanRequest, f: _Found) -> Plan:
         peak_phase=est.peak_phase, budget_bytes=req.budget_bytes,
         gpu_memory_bytes=req.cluster.gpu.memory_bytes, host_ram_bytes=est.host_ram_bytes,
         speed=f.step.to_dict(), high_bytes=est.high_bytes or est.device_peak_bytes,
-        changes=knob_changes(req.base, cfg, req.method_auto),
+        changes=_with_reasons(knob_changes(req.base, cfg, req.method_auto), reasons or {}),
         tradeoffs=list(f.tradeoffs), epoch_s=epoch_s, phase_peaks=est.phase_peaks(),
         memory_assumptions=list(est.assumptions),
     )
+
+
+def _with_reasons(changes: list[dict], reasons: dict[str, str]) -> list[dict]:
+    return [{**c, "why": reasons[c["to"]]} if c["key"] == "method" and c["to"] in reasons
+            else c for c in changes]
 
 
 def search(spec: ModelSpec, req: PlanRequest) -> PlanResult:
@@ -263,7 +295,8 @@ def search(spec: ModelSpec, req: PlanRequest) -> PlanResult:
               for g, (fit, cfg) in sorted(missed.items(), key=lambda kv: kv[1][0].over_bytes)
               if g not in fitting_groups]
     elapsed = time.perf_counter() - t0
-    plans = [_to_plan(spec, req, f) for f in top]
+    reasons = method_reasons(req, found, missed)
+    plans = [_to_plan(spec, req, f, reasons) for f in top]
     return PlanResult(
         model=spec.name, hardware=req.cluster.describe(), budget_bytes=req.budget_bytes,
         effective_batch=req.effective_batch, objective=req.objective, plans=plans,

@@ -70,8 +70,9 @@ def suggestions(spec: ModelSpec, req: PlanRequest, result: PlanResult) -> list[s
     if not req.method_auto:
         other = _retry(spec, req, req.cluster, method_auto=True)
         if other.plans:
+            why = next((c["why"] for c in other.best.changes if c.get("why")), "")
             out.append(f"another method on the same GPUs: {_summary(other)} "
-                       "(--method auto)")
+                       f"(--method auto){'; ' + why if why else ''}")
     for found in (bigger_gpu(spec, req, need), more_gpus(spec, req)):
         if found:
             out.append(found)

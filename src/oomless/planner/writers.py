@@ -31,7 +31,7 @@ from typing import Any
 from ..config import RunConfig, dump_run_config
 from ..fileio import OutputFolder, refuse_inputs
 from ..knobs import ATTENTIONS, OPTIMIZERS
-from ..memory.inference import EngineRequest, needs_remote_code
+from ..memory.inference import EngineRequest, needs_remote_code, smallest_fitting_parallel
 from ..memory.inference import vllm_engine_args as vllm_engine_args_for
 from ..models.families import family_facts
 from ..models.hardware import Cluster
@@ -219,12 +219,17 @@ def vllm_engine_args(cfg: RunConfig, spec: ModelSpec, cluster: Cluster,
     """vLLM EngineArgs for generation with the trained model (memory.inference's, as
     `oomless infer` uses them): max_model_len = cutoff + max_new_tokens; the largest
     max_num_seqs (256 down, halving) whose full-length sequences the card holds at a
-    utilization the memory model computes; one GPU per engine."""
+    utilization the memory model computes; one GPU per engine, or, when the weights do not
+    fit one, the smallest tensor (then pipeline) parallel engine that holds a sequence."""
     new_tokens = cfg.eval.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     req = EngineRequest(model=model_id, max_model_len=cfg.seq_len + new_tokens,
                         lora_rank=0 if cfg.method == "full" else cfg.lora.r,
                         trust_remote_code=cfg.training.trust_remote_code)
     args, budget = vllm_engine_args_for(spec, cluster.gpu, req)
+    if not budget.fits and cluster.world_size > 1:
+        req = smallest_fitting_parallel(spec, cluster.gpu, req, cluster.gpus_per_node,
+                                        cluster.nodes) or req
+        args, budget = vllm_engine_args_for(spec, cluster.gpu, req)
     while (not budget.fits or not budget.holds_max_num_seqs) and req.max_num_seqs > 1:
         req = replace(req, max_num_seqs=req.max_num_seqs // 2)
         args, budget = vllm_engine_args_for(spec, cluster.gpu, req)

@@ -130,6 +130,11 @@ class ReportData:
                 points.append({"index": p[0], "allocated_bytes": p[1], "reserved_bytes": p[2]})
         return points
 
+    @property
+    def run(self) -> dict[str, Any] | None:
+        """The predicted run over the data (``estimate --data/--lengths``), if any."""
+        return self.estimate.extra.get("run") if self.estimate else None
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["estimate"] = self.estimate.to_dict() if self.estimate else None

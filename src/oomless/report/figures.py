@@ -174,5 +174,38 @@ def training_figure(data: ReportData) -> Any:
     return fig
 
 
+def run_figure(data: ReportData) -> Any:
+    """The predicted run over the data (estimate --data/--lengths): reserved and
+    allocated per step, with expandable segments, and the measured reserved if logged."""
+    go = _go()
+    run = data.run or {}
+    fig = go.Figure()
+    # curve rows: step, length, peak allocated, peak reserved, reserved at the step's end
+    for key, label, col, dash in (("default", "predicted reserved", 3, "solid"),
+                                  ("default", "predicted allocated", 2, "dot"),
+                                  ("expandable_segments", "reserved, expandable_segments", 3,
+                                   "dash")):
+        rows = (run.get(key) or {}).get("curve") or []
+        if key == "expandable_segments" and run.get(key, {}).get("config") == \
+                run.get("default", {}).get("config"):
+            continue
+        fig.add_trace(go.Scatter(x=[r[0] for r in rows], y=_gib([r[col] for r in rows]),
+                                 mode="lines", name=label, line=dict(shape="hv", dash=dash),
+                                 text=[f"length {r[1]}" for r in rows],
+                                 hovertemplate="step %{x} · %{text}<br>%{y:.2f} GiB<extra></extra>"))
+    if data.steps and data.num_devices:
+        fig.add_trace(go.Scatter(x=[s.step for s in data.steps],
+                                 y=_gib(_device_series(data, "reserved_bytes", 0)),
+                                 mode="lines", name="measured reserved",
+                                 line=dict(color="#333333")))
+    oom = (run.get("default") or {}).get("oom_step")
+    if oom is not None:
+        fig.add_vline(x=oom, line=dict(color="#d62728", dash="dash"),
+                      annotation_text="predicted OOM", annotation_font_color="#d62728")
+    _capacity_line(fig, run.get("capacity_bytes"), "memory PyTorch may reserve")
+    fig.update_layout(xaxis_title="optimizer step", yaxis_title="GiB", **_LAYOUT)
+    return fig
+
+
 def has_training_metrics(data: ReportData) -> bool:
     return any(s.loss is not None or s.tokens_per_s is not None for s in data.steps)

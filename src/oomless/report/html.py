@@ -120,6 +120,10 @@ def _sections(data: ReportData) -> list[str]:
         measured = f" and {data.measured_peak_label}" if data.measured_peak_bytes else ""
         parts.append(f"<h2>Predicted breakdown (peak phase: {phase}){measured}</h2>"
                      + _chart(figures.breakdown_figure(data), "breakdown"))
+    if data.run:
+        parts.append("<h2>Predicted run over the data (caching allocator, per step)</h2>"
+                     + f"<p>{html.escape(_run_summary(data.run))}</p>"
+                     + _chart(figures.run_figure(data), "run"))
     parts.append(f"<h2>OOM and recovery events</h2>{_events_table(data)}")
     if data.timeline:
         parts.append("<h2>Trace timeline</h2>"
@@ -134,6 +138,16 @@ def _sections(data: ReportData) -> list[str]:
         items = "".join(f"<li>{html.escape(a)}</li>" for a in data.estimate.assumptions)
         parts.append(f"<h2>Assumptions of the estimate</h2><ul>{items}</ul>")
     return parts
+
+
+def _run_summary(run: dict[str, Any]) -> str:
+    d = run["default"]
+    failure = (f"fails at step {d['oom_step']} even after freeing the cache"
+               if d["oom_step"] is not None else "no failure")
+    return (f"{run['steps']} steps, {run['order']} order, {run.get('source', '')}: reserved "
+            f"high-water {d['high_water_bytes'] / 2**30:.2f} GiB at step {d['high_water_step']}"
+            f", reserved − allocated there {d['fragmentation_bytes'] / 2**30:.2f} GiB, "
+            f"{failure}; verdict: {run['verdict']}")
 
 
 def render_html(data: ReportData) -> str:

@@ -8,15 +8,16 @@ function, or {"error": message} with status 400 for a user mistake (the same
 message the CLI prints) and 500 for a fault (the details go to the server's log,
 never to the page).
 
-The server answers only requests addressed to the host it listens on
-(a page elsewhere cannot reach it through DNS rebinding) and only JSON POSTs
-(a form on another site cannot post to it without the browser asking first).
+The server answers only requests addressed to this machine (a page elsewhere
+cannot reach it through DNS rebinding), only JSON POSTs (a form on another site
+cannot post to it without the browser asking first), and — when it listens
+beyond loopback, which needs ``--allow-remote`` — only requests that carry its
+token (guard.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import socket
 import threading
@@ -33,10 +34,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import OomlessError
-from . import service
+from . import guard, planning, runs, service
 
 LOG = logging.getLogger("oomless.ui")
-MAX_BODY_BYTES = 4 * service.MAX_UPLOAD_CHARS  # UTF-8: at most 4 bytes a character
+MAX_BODY_BYTES = guard.MAX_BODY_BYTES
+# Out-of-range input reaching arithmetic (a number too large for a float, JSON the
+# library nests too deeply): the user's request, not a fault of ours.
+_INPUT_ERRORS = (OverflowError, RecursionError, UnicodeError)
 _JS = "text/javascript; charset=utf-8"
 _STATIC = {"index.html": "text/html; charset=utf-8", "style.css": "text/css; charset=utf-8",
            "common.js": _JS, "chart.js": _JS, "estimate.js": _JS, "tabs.js": _JS}
@@ -51,21 +55,19 @@ def _static(name: str) -> bytes:
 def _endpoint(call: Callable[..., dict[str, Any]], takes_ws: bool = True):
     async def endpoint(request: Request) -> Response:
         ws = request.app.state.workspace
-        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
-            return JSONResponse({"error": "send the request as application/json"}, 415)
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            return JSONResponse({"error": "the request is too large"}, 413)
         try:
-            body = json.loads(await request.body())
-        except ValueError:
-            return JSONResponse({"error": "the request is not valid JSON"}, 400)
-        if not isinstance(body, dict):
-            return JSONResponse({"error": "the request must be a JSON object"}, 400)
+            body = await guard.read_body(request, MAX_BODY_BYTES)
+        except guard.BadBody as err:
+            return JSONResponse({"error": str(err)}, err.status, headers=_HEADERS)
         try:
             result = await run_in_threadpool(call, ws, body) if takes_ws else \
                 await run_in_threadpool(call, body)
         except OomlessError as err:
-            return JSONResponse({"error": str(err)}, 400, headers=_HEADERS)
+            return JSONResponse({"error": _one_line(str(err))}, 400, headers=_HEADERS)
+        except _INPUT_ERRORS as err:
+            LOG.warning("oomless ui: %s refused: %s", request.url.path, type(err).__name__)
+            return JSONResponse({"error": "a value in the request is out of range (too large "
+                                 "or nested too deeply)"}, 400, headers=_HEADERS)
         except Exception:  # a fault of ours: log it, show no traceback in the page
             LOG.exception("oomless ui: %s failed", request.url.path)
             return JSONResponse({"error": f"internal error in {request.url.path}; the "
@@ -73,6 +75,11 @@ def _endpoint(call: Callable[..., dict[str, Any]], takes_ws: bool = True):
         return JSONResponse(result, headers=_HEADERS)
 
     return endpoint
+
+
+def _one_line(text: str) -> str:
+    """The library's message as valid text (a lone surrogate of the input is shown escaped)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @contextlib.asynccontextmanager
@@ -86,8 +93,12 @@ async def _workspace(app: Starlette):
         app.state.workspace.close()
 
 
-def create_app(host: str = "127.0.0.1") -> Starlette:
-    """The Starlette application; ``host``: the address it listens on."""
+def create_app(host: str = "127.0.0.1", token: str | None = None,
+               extra_hosts: tuple[str, ...] = ()) -> Starlette:
+    """The Starlette application; ``host``: the address it listens on; ``token``: the
+    secret every request must carry (None: loopback only, no token)."""
+    if token is None:
+        guard.check_listen(host, allow_remote=False)
     pages = {name: _static(name) for name in _STATIC}
     choices: dict[str, Any] = {}  # built on the first request (the catalogs)
 
@@ -110,15 +121,17 @@ def create_app(host: str = "127.0.0.1") -> Starlette:
         Route("/static/{name}", page), Route("/api/choices", get_choices),
         Route("/api/estimate", _endpoint(service.estimate_view), methods=["POST"]),
         Route("/api/effects", _endpoint(service.knob_effects), methods=["POST"]),
-        Route("/api/plan", _endpoint(service.plan_view), methods=["POST"]),
+        Route("/api/plan", _endpoint(planning.plan_view), methods=["POST"]),
+        Route("/api/inference", _endpoint(planning.inference_view), methods=["POST"]),
         Route("/api/check", _endpoint(service.check_view), methods=["POST"]),
         Route("/api/diagnose", _endpoint(service.diagnose_view), methods=["POST"]),
-        Route("/api/report", _endpoint(service.report_view, takes_ws=False), methods=["POST"]),
+        Route("/api/report", _endpoint(runs.report_view, takes_ws=False), methods=["POST"]),
     ]
-    allowed = ["*"] if host in ("0.0.0.0", "::", "") else sorted(
-        {host, "127.0.0.1", "localhost", "[::1]"})
-    return Starlette(routes=routes, lifespan=_workspace,
-                     middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed)])
+    middleware = [Middleware(TrustedHostMiddleware,
+                             allowed_hosts=guard.allowed_hosts(host, extra_hosts))]
+    if token is not None:
+        middleware.append(Middleware(guard.TokenGate, token=token))
+    return Starlette(routes=routes, lifespan=_workspace, middleware=middleware)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -136,14 +149,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(host: str, port: int, announce: Callable[[str], None] = print) -> None:
-    """Serve until interrupted; ``announce`` gets the page's address once it listens."""
+def serve(host: str, port: int, announce: Callable[[str], None] = print,
+          allow_remote: bool = False, extra_hosts: tuple[str, ...] = ()) -> None:
+    """Serve until interrupted; ``announce`` gets the page's address once it listens
+    (with ``?token=`` when it serves other machines: ``allow_remote``)."""
     import uvicorn
 
-    app = create_app(host)
+    guard.check_listen(host, allow_remote)
+    token = None if guard.is_loopback(host) else guard.new_token()
+    app = create_app(host, token, extra_hosts)
     sock = bind(host, port)
-    shown = f"[{host}]" if ":" in host else host
+    shown = socket.gethostname() if host in guard.WILDCARDS else \
+        f"[{host}]" if ":" in host else host
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
-    announce(f"http://{shown}:{sock.getsockname()[1]}/")
+    query = f"?token={token}" if token else ""
+    announce(f"http://{shown}:{sock.getsockname()[1]}/{query}")
     threading.Thread(target=service.warm_up, name="oomless-ui-warm-up", daemon=True).start()
     uvicorn.Server(config).run(sockets=[sock])

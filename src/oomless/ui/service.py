@@ -1,6 +1,7 @@
 """The one place the web page meets the library (torch-free, no web framework).
 
-Every tab of ``oomless ui`` calls one function here; each takes the page's JSON
+The Estimate, Check and Diagnose tabs call one function here (Plan and
+Inference: planning.py; Runs: runs.py); each takes the page's JSON
 request (a dict), calls the library's public entry points — the same ones the
 command line calls — and returns plain JSON values. Nothing here models memory:
 byte counts, verdicts, plans, fixes and diagnoses all come from the library.
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
+import shlex
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -27,7 +30,7 @@ from ..config import RunConfig, Stack, Stage, build_run_config
 from ..errors import ConfigError, OomlessError
 from ..fileio import new_temp_dir, write_atomic
 from ..units import fmt_bytes, fmt_count
-from . import views
+from . import commands, views
 
 MAX_UPLOAD_CHARS = 20_000_000  # one pasted log or file; the server refuses larger bodies
 # The tabs import the library's heavier parts when first used (or when warm_up runs,
@@ -94,6 +97,13 @@ def safe_name(name: str) -> str:
     return cleaned[:100] or "upload"
 
 
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what}: expected an object with \"name\" and \"text\", got "
+                          f"{type(value).__name__}")
+    return value
+
+
 def _text(request: dict[str, Any], key: str, what: str, required: bool = True) -> str:
     value = request.get(key) or ""
     if not isinstance(value, str):
@@ -107,13 +117,31 @@ def _text(request: dict[str, Any], key: str, what: str, required: bool = True) -
 
 
 def _number(request: dict[str, Any], key: str, kind: type = int) -> Any:
+    """A number of the page as the CLI's option parser reads it: a whole number for an
+    integer option (1e300 is not one), a finite one for a decimal option."""
     value = request.get(key)
     if value in (None, ""):
         return None
+    if isinstance(value, bool) or isinstance(value, (list, dict)):
+        raise ConfigError(f"'{key}': expected a number, got {value!r}")
     try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"'{key}': expected a number, got {value!r}") from None
+        number = float(value) if kind is float else _whole(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"'{key}': expected a {'whole ' if kind is int else ''}number, "
+                          f"got {str(value)[:40]!r}") from None
+    if kind is float and number != number or number in (float("inf"), float("-inf")):
+        raise ConfigError(f"'{key}': expected a finite number, got {str(value)[:40]!r}")
+    return number
+
+
+def _whole(value: Any) -> int:
+    if isinstance(value, float):
+        if not value.is_integer() or abs(value) > 2 ** 53:
+            raise ValueError(value)
+        return int(value)
+    if isinstance(value, str) and len(value.strip()) > 40:
+        raise ValueError(value)
+    return int(value)
 
 
 def gpu_text(request: dict[str, Any]) -> str | None:
@@ -167,6 +195,7 @@ def _model_text(ws: Workspace, request: dict[str, Any]) -> str:
     """A catalog name, or the path of the uploaded config.json saved in the workspace."""
     upload = request.get("model_config")
     if upload:
+        upload = _object(upload, "model_config")
         text = _text(upload, "text", "config.json")
         return str(ws.model_config(str(upload.get("name") or "uploaded-model"), text))
     model = request.get("model")
@@ -175,33 +204,29 @@ def _model_text(ws: Workspace, request: dict[str, Any]) -> str:
     return model.strip()
 
 
-def estimate_options(ws: Workspace, request: dict[str, Any]) -> argparse.Namespace:
-    """The `oomless estimate` options the page's knobs stand for."""
-    opts = {flag: None for flag in views.ESTIMATE_FLAGS}
-    for flag, kind in views.ESTIMATE_FLAGS.items():
-        value = request.get(flag)
-        if value in (None, ""):
-            continue
-        if kind in (int, float):
-            opts[flag] = _number(request, flag, kind)
-        else:
-            opts[flag] = bool(value) if kind is bool else str(value)
-    opts.update(model=_model_text(ws, request), gpu=gpu_text(request),
-                expandable_segments=False)
-    return argparse.Namespace(**opts)
+def _model(ws: Workspace, request: dict[str, Any]) -> tuple[str, str, bool]:
+    """(model text the library reads, model the copied command shows, uploaded?)."""
+    text = _model_text(ws, request)
+    uploaded = bool(request.get("model_config"))
+    return text, "./config.json" if uploaded else text, uploaded
+
+
+def estimate_options(ws: Workspace, request: dict[str, Any],
+                     kind_of: str = "estimate") -> argparse.Namespace:
+    """The `oomless estimate` options the page's knobs stand for, read by its parser."""
+    model, _shown, uploaded = _model(ws, request)
+    return commands.parse(request, kind_of, model, uploaded)
 
 
 def run_config(ws: Workspace, request: dict[str, Any]) -> RunConfig:
-    """RunConfig through the CLI's own path, plus the keys `estimate` has no flag for."""
+    """RunConfig through the CLI's own path (parser and run_config_from_args)."""
     from ..cli._options import run_config_from_args
 
-    cfg = run_config_from_args(estimate_options(ws, request))
-    extra = {k: request[k] for k in ("stack", "stage") if request.get(k)}
-    if not extra:
-        return cfg
-    data = cfg.model_dump()
-    data.update(extra)
-    return build_run_config(data, "<ui>")
+    return run_config_from_args(estimate_options(ws, request))
+
+
+def command_for(ws: Workspace, request: dict[str, Any], kind_of: str) -> str:
+    return commands.command_line(request, kind_of, _model(ws, request)[1])
 
 
 def estimate_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
@@ -216,7 +241,7 @@ def estimate_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
         device = phase_device_bytes(resolve_model(cfg.model).spec, cfg, cluster) \
             if cluster else None
     return views.estimate_payload(est.to_dict(), device, verdict_of(est),
-                                  views.command_line(request, cfg.model))
+                                  command_for(ws, request, "estimate"))
 
 
 def verdict_of(est) -> dict[str, Any]:
@@ -244,53 +269,7 @@ def knob_effects(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
             continue
         rows.append(views.effect_row(knob, est.device_peak_bytes, verdict_of(est),
                                      base.device_peak_bytes))
-    return {"base_bytes": base.device_peak_bytes, "rows": rows}
-
-
-# ---- plan ------------------------------------------------------------------
-def plan_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
-    """`oomless plan`: the top configurations and, for each, the files `plan --out` writes."""
-    from ..cli._render_check import read_as
-    from ..cli._render_plan import change_text, fmt_duration, miss_text
-    from ..planner import PlanOptions, plan, request_from_options
-
-    with ws.clean_errors():
-        opts = PlanOptions(
-            model=_model_text(ws, request), gpu=gpu_text(request),
-            seq_len=_number(request, "seq_len"),
-            effective_batch=_number(request, "effective_batch"),
-            method=request.get("method") or "auto",
-            headroom=_number(request, "headroom", float) or 0.10,
-            objective=request.get("objective") or "speed", top=_number(request, "top") or 5,
-            lora_r=_number(request, "lora_r"), host_ram_gb=_number(request, "host_ram_gb", float))
-        spec, req = request_from_options(opts)
-        result = plan(spec, req)
-        files = [plan_files(ws, p.run_config(), spec, req.cluster) for p in result.plans]
-    plans = [views.plan_row(p.to_dict(), [change_text(c) for c in p.changes],
-                            read_as(p.config), fmt_duration(p.speed["step_s"])) | {"files": f}
-             for p, f in zip(result.plans, files, strict=True)]
-    return {"model": result.model, "hardware": result.hardware,
-            "effective_batch": result.effective_batch, "budget_bytes": result.budget_bytes,
-            "objective": result.objective, "searched": result.searched,
-            "fitting": result.fitting, "elapsed_s": result.elapsed_s, "plans": plans,
-            "misses": [miss_text(m) for m in result.misses],
-            "suggestions": list(result.suggestions), "notes": list(result.notes),
-            "assumptions": list(result.assumptions)}
-
-
-def plan_files(ws: Workspace, cfg: RunConfig, spec, cluster) -> dict[str, str]:
-    """{file name: text} of what `plan --out` writes for ``cfg``; paths between the
-    files name the sibling file (they are downloaded into one folder)."""
-    from ..planner.options import model_id_for
-    from ..planner.writers import write_plan_files
-
-    folder = ws.folder("plan")
-    model_id, family = model_id_for(cfg.model)
-    paths = write_plan_files(folder, cfg, spec, cluster, model_id, family)
-    prefix = f"{folder.resolve()}/"
-    files = {p.name: p.read_text(encoding="utf-8").replace(prefix, "") for p in paths}
-    shutil.rmtree(folder, ignore_errors=True)
-    return files
+    return {"base_bytes": base.device_peak_bytes, "rows": views.sort_effects(rows)}
 
 
 # ---- check -----------------------------------------------------------------
@@ -304,6 +283,7 @@ def check_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(uploads, list) or not 1 <= len(uploads) <= 2:
         raise ConfigError("check reads one configuration file, or a DeepSpeed JSON and a "
                           "TrainingArguments JSON: choose or paste one")
+    uploads = [_object(u, f"file {i + 1}") for i, u in enumerate(uploads)]
     texts = [_text(upload, "text", f"file {i + 1}") for i, upload in enumerate(uploads)]
     folder = ws.folder("check")
     try:
@@ -315,18 +295,36 @@ def check_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
         with ws.clean_errors():
             result = check(CheckOptions(
                 files=tuple(str(folder / n) for n in names), gpu=gpu_text(request),
-                model=(request.get("model") or None), seq_len=_number(request, "seq_len"),
-                method=request.get("method") or None, images=_number(request, "images"),
+                model=_word(request, "model"), seq_len=_number(request, "seq_len"),
+                method=_word(request, "method"), images=_number(request, "images"),
                 headroom=_number(request, "headroom", float) or 0.10))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     fix_changes = [change_text(c) for c in result.fix["changes"]] if result.fix else []
+    words = ["oomless", "check", *names, *commands.gpu_words(request)]
+    words += [f"--{k.replace('_', '-')}={request[k]}" for k in ("model", "seq_len", "method")
+              if request.get(k)]
     return views.check_payload(result.to_dict(), f"{folder}/", fix_changes,
-                               read_as(result.config))
+                               read_as(result.config)) | {"command": shlex.join(words)}
+
+
+def _word(request: dict[str, Any], key: str) -> str | None:
+    value = request.get(key)
+    return str(value) if value not in (None, "") else None
+
+
+_LAUNCHERS = re.compile(r"^\s*(deepspeed|torchrun|accelerate\s+launch|python3?|llamafactory-cli"
+                        r"|swift|axolotl)\s", re.MULTILINE)
 
 
 def _pasted_name(text: str) -> str:
-    return "pasted.json" if text.lstrip().startswith("{") else "pasted.yaml"
+    """A pasted file's name by what it holds (check reads a file by its kind): JSON, a
+    launch script (a #! line, or a deepspeed / torchrun / python … command), else YAML."""
+    if text.lstrip().startswith("{"):
+        return "pasted.json"
+    if text.startswith("#!") or _LAUNCHERS.search(text):
+        return "pasted.sh"
+    return "pasted.yaml"
 
 
 # ---- diagnose --------------------------------------------------------------
@@ -353,20 +351,13 @@ def diagnose_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
     for i, finding in enumerate(diagnosis.findings, 1):
         numbers = _numbers(finding)
         headings.append((_title(finding, i, count).plain, numbers.plain if numbers else ""))
-    return views.diagnosis_payload(diagnosis.to_dict(), headings)
+    words = ["oomless", "diagnose", "train.log", *commands.gpu_words(request)]
+    if config_text.strip():
+        words += ["--config", "oomless.yaml"]
+    return views.diagnosis_payload(diagnosis.to_dict(), headings) | {
+        "command": shlex.join(words), "hints": _stated(diagnosis.hints.to_dict())}
 
 
-# ---- runs ------------------------------------------------------------------
-def report_view(request: dict[str, Any]) -> dict[str, Any]:
-    """`oomless report` of a run folder (or estimate JSON) the user names."""
-    from ..report import load_report_data, render_html
-
-    source = _text(request, "path", "the run folder").strip()
-    data = load_report_data(Path(source).expanduser())
-    summary = {"title": data.title, "steps": len(data.steps), "events": len(data.events),
-               "ooms": sum(e.is_oom for e in data.events),
-               "measured_peak_bytes": data.measured_peak_bytes,
-               "measured_peak_label": data.measured_peak_label,
-               "predicted_peak_bytes": data.predicted_peak_bytes,
-               "gpu_memory_bytes": data.gpu_memory_bytes}
-    return {"summary": summary, "html": render_html(data)}
+def _stated(hints: dict[str, Any]) -> dict[str, Any]:
+    """The settings the log states (plain values; what it does not state is left out)."""
+    return {k: v for k, v in hints.items() if isinstance(v, (int, float, str))}

@@ -8,20 +8,11 @@ as the command line formats them.
 
 from __future__ import annotations
 
-import shlex
 from typing import Any, get_args
 
 from ..config import Precision
 from ..knobs import ATTENTIONS, METHODS, OPTIMIZERS
 from ..units import fmt_bytes
-
-# The `oomless estimate` options the page sets (cli/_options.py), with their types.
-ESTIMATE_FLAGS: dict[str, type] = {
-    "method": str, "precision": str, "optim": str, "quant": str, "batch_size": int,
-    "grad_accum": int, "seq_len": int, "grad_ckpt": bool, "attn": str, "lora_r": int,
-    "lora_dropout": float, "lora_targets": str, "zero": int, "offload": str, "nodes": int,
-    "host_ram_gb": float, "eval_batch_size": int, "max_new_tokens": int, "images": int,
-}
 
 # The stacked bar's groups: the estimate's categories (result.py) in the words of the
 # issue tracker and the calculators people know; a category not listed is "other".
@@ -84,25 +75,6 @@ def estimate_payload(est: dict[str, Any], device: dict[str, int] | None,
         "text": {k: fmt_bytes(est[k]) for k in (
             "peak_allocated_bytes", "peak_reserved_bytes", "device_peak_bytes")},
     }
-
-
-def command_line(request: dict[str, Any], model: str) -> str:
-    """The `oomless estimate` command that gives the same estimate."""
-    shown = "./config.json" if request.get("model_config") else model
-    words = ["oomless", "estimate", shown]
-    for flag, kind in ESTIMATE_FLAGS.items():
-        value = request.get(flag)
-        if value in (None, ""):
-            continue
-        option = "--" + flag.replace("_", "-")
-        if kind is bool:
-            words.append(option if value else f"--no-{flag.replace('_', '-')}")
-        else:
-            words += [option, str(value)]
-    if request.get("gpu"):
-        count = int(request.get("gpus") or 1)
-        words += ["--gpu", request["gpu"] + (f" x{count}" if count > 1 else "")]
-    return " ".join(shlex.quote(w) for w in words)
 
 
 def knob_alternatives(request: dict[str, Any], cfg: dict[str, Any]) -> list[tuple]:
@@ -224,3 +196,75 @@ def diagnosis_payload(diagnosis: dict[str, Any], headings: list[tuple[str, str]]
         })
     return {"found": diagnosis["found"], "summary": diagnosis["summary"], "events": events,
             "notes": diagnosis["notes"], "gpu": diagnosis["gpu"]}
+
+
+def page_knobs(config: dict[str, Any]) -> dict[str, Any]:
+    """The page's knobs (and GPU count) that stand for a RunConfig's JSON form: what
+    "open in Estimate" sets, so the Estimate tab estimates exactly this configuration."""
+    quant = config["quantization"]
+    targets = config["lora"]["targets"]
+    knobs = {"method": config["method"], "precision": config["precision"],
+             "optim": config["optimizer"], "lora_r": config["lora"]["r"],
+             "lora_targets": targets if isinstance(targets, str) else ",".join(targets),
+             "batch_size": config["micro_batch_size"], "grad_accum": config["grad_accum"],
+             "seq_len": config["seq_len"], "grad_ckpt": config["grad_ckpt"],
+             "attn": config["attn"], "zero": config["zero"], "offload": config["offload"],
+             "stack": config["stack"], "stage": config["stage"],
+             "gpus": config["hardware"]["gpus_per_node"]}
+    if config["method"] == "qlora":
+        knobs["quant"] = "int8" if quant["bits"] == 8 else quant["type"]
+    if config["hardware"].get("gpu"):
+        knobs["gpu"] = config["hardware"]["gpu"]
+    return knobs
+
+
+_STATE_RANK = {"fits": 0, "tight": 1, None: 2, "out-of-memory": 3}
+
+
+def sort_effects(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What gets the configuration to fit first: by the verdict each change gives
+    (fits, tight, out of memory), then by the device peak it leaves."""
+    return sorted(rows, key=lambda r: (_STATE_RANK.get(r["state"], 2), r["device_peak_bytes"]))
+
+
+def _plain(markup: str) -> str:
+    from rich.text import Text
+
+    return Text.from_markup(markup).plain
+
+
+def vllm_payload(model: str, gpu_name: str, budget: Any, engine: dict[str, Any],
+                 command: str) -> dict[str, Any]:
+    """The Inference tab for vLLM: the budget's parts, the KV blocks, the most sequences
+    held and the smallest utilization, in the CLI's words, and the engine arguments."""
+    from ..cli._render_infer import budget_verdict, engine_args_text
+
+    b = budget.to_dict()
+    rows = [["weights (with LoRA slots)" if engine.get("enable_lora") else "weights",
+             b["weights_bytes"]],
+            ["profile-run peak (activations, sampler)", b["profile_peak_bytes"]],
+            ["non-torch (CUDA context, CUDA graphs)", b["non_torch_bytes"]],
+            ["KV cache", b["kv_cache_bytes"]]]
+    state = ("out-of-memory" if not b["fits"] else "fits" if b["holds_max_num_seqs"]
+             else "tight")
+    return {"engine": "vllm", "model": model, "gpu": gpu_name, "budget": b,
+            "rows": [[name, n, fmt_bytes(n)] for name, n in rows], "state": state,
+            "text": _plain(budget_verdict(budget)), "engine_args": engine,
+            "engine_args_text": engine_args_text(engine), "command": command}
+
+
+def generate_payload(model: str, est: dict[str, Any], cluster: Any,
+                     command: str) -> dict[str, Any]:
+    """The Inference tab for transformers' generate(): its parts against the GPU."""
+    rows = [["weights", est["weights_bytes"]], ["KV cache", est["kv_cache_bytes"]],
+            ["prefill activations", est["activations_bytes"]],
+            ["logits (last token, fp32)", est["logits_bytes"]],
+            ["non-PyTorch (CUDA context)", est["non_pytorch_bytes"]]]
+    total = est["device_peak_bytes"]  # the library's nvidia-smi peak (allocator reserve in)
+    gpu = cluster.gpu.memory_bytes if cluster else None
+    state = None if gpu is None else ("fits" if total <= gpu else "out-of-memory")
+    text = (f"device peak {fmt_bytes(total)} (no GPU chosen)" if gpu is None else
+            f"device peak {fmt_bytes(total)} of {fmt_bytes(gpu)} on {cluster.gpu.display_name}")
+    return {"engine": "hf", "model": model, "estimate": est, "total_bytes": total,
+            "rows": [[name, n, fmt_bytes(n)] for name, n in rows], "state": state,
+            "text": text, "command": command}

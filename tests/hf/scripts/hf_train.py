@@ -39,6 +39,9 @@ class ScriptArguments:
     max_seq_length: int = 64
     simulate_gpu_rows: int = 0
     simulate_from_step: int = 1
+    # float64 for comparisons across process counts: gloo sums gradients in another
+    # order than one process does (see test_protect_distributed.py)
+    model_dtype: str = "float32"
 
 
 class SimulatedGpu(TrainerCallback):
@@ -71,7 +74,8 @@ def main() -> None:
         script, args = parser.parse_args_into_dataclasses()
     tok, rows = demo_rows(script.model_name_or_path, script.max_seq_length)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path,
+                                                 dtype=getattr(torch, script.model_dtype))
     trainer = Trainer(model=model, args=args, train_dataset=rows, processing_class=tok,
                       data_collator=DataCollatorForSeq2Seq(tok, padding=True),
                       callbacks=[SimulatedGpu(script.simulate_gpu_rows,

@@ -65,6 +65,9 @@ class InferOptions:
     trust_remote_code: bool = False
     id_field: str | None = None
     limit: int | None = None  # process at most this many new records
+    tensor_parallel_size: int = 1  # vLLM's parallel sizes (memory.vllm_parallel)
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     @property
     def max_model_len(self) -> int:

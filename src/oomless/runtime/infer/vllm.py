@@ -66,7 +66,10 @@ def engine_request(opts: InferOptions) -> EngineRequest:
                          max_num_seqs=opts.max_num_seqs,
                          gpu_memory_utilization=opts.gpu_memory_utilization,
                          lora_rank=adapter_rank(opts.adapter), dtype=opts.dtype,
-                         trust_remote_code=opts.trust_remote_code, seed=opts.seed)
+                         trust_remote_code=opts.trust_remote_code, seed=opts.seed,
+                         tensor_parallel_size=opts.tensor_parallel_size,
+                         pipeline_parallel_size=opts.pipeline_parallel_size,
+                         data_parallel_size=opts.data_parallel_size)
 
 
 def engine_args(opts: InferOptions, spec: Any, gpu: GPUSpec,
@@ -124,6 +127,11 @@ class VllmBackend:
     def __init__(self, opts: InferOptions):
         from ...models.catalog import resolve_model
 
+        if opts.data_parallel_size > 1:
+            raise ConfigError(
+                f"--data-parallel-size {opts.data_parallel_size}: an offline vLLM engine in one "
+                "process is one replica; run one `oomless infer` per replica, each with its own "
+                "CUDA_VISIBLE_DEVICES and part of the data (--engine-args prints the arguments)")
         try:
             from vllm import LLM, SamplingParams
         except ImportError:

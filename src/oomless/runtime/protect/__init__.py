@@ -8,7 +8,9 @@ instance only — the class and other Trainers are not touched:
 - ``trainer.evaluation_loop`` → counts evaluation rounds (fault injection, events);
 - ``trainer.accelerator.backward`` → marks "inside the backward" (what a
   recovery must undo) and fires ``:backward`` fault injection;
-- a callback (callback.py) for the preflight, memlog.jsonl and events.jsonl.
+- a callback (callback.py) for the preflight, memlog.jsonl and events.jsonl;
+- ``trainer.log`` → adds the ``oomless/`` memory values to every training log
+  (dashboards.py), so TensorBoard, W&B, MLflow… show them.
 
 Nothing here costs time per step when nothing runs out of memory: the
 guard calls the original ``training_step`` with the same arguments; with
@@ -78,6 +80,7 @@ def install(trainer: Any, *, preflight: str | None = None, gpu: str | None = Non
     from .batch import layout_of
     from .callback import make_callback
     from .context import ProtectContext, engine_kind
+    from .dashboards import attach as attach_dashboard
     from .evaluate import EvalGuard
     from .guard import StepGuard
 
@@ -97,6 +100,7 @@ def install(trainer: Any, *, preflight: str | None = None, gpu: str | None = Non
         trainer.prediction_step = EvalGuard(ctx, trainer.prediction_step)
         _wrap_backward(ctx)
     _wrap_evaluation_loop(ctx)
+    attach_dashboard(ctx)  # oomless/ memory scalars in the Trainer's own logs (report_to)
     trainer.add_callback(make_callback(ctx, preflight_mode(preflight),
                                        gpu or os.environ.get(GPU_ENV)))
     return trainer

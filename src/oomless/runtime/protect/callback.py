@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from ..train.memlog import RunLog, device_memory, truncate_after
-from .context import ProtectContext
+from .context import ProtectContext, say
 from .preflight import run_preflight
 
 
@@ -82,9 +82,12 @@ class _Callback:
 
     def on_train_end(self, args, state, control, **kwargs):
         self._flush()
+        summary = change_summary(self.ctx, args)
         self.ctx.event("train_end", f"training ended at step {state.global_step}",
                        micro_batch_size=self.ctx.chunk_rows or args.per_device_train_batch_size,
-                       grad_ckpt=self.ctx.grad_ckpt)
+                       grad_ckpt=self.ctx.grad_ckpt, summary=summary)
+        if self.ctx.dist.is_main:
+            say(f"oomless: {summary}")
 
     def _flush(self) -> None:
         if self.pending is not None:
@@ -113,6 +116,27 @@ class _Callback:
         if c.budget_gb:
             rec["simulated_peak_bytes"] = c.step_peak_bytes
         return rec
+
+
+def change_summary(ctx: ProtectContext, args: Any) -> str:
+    """What the protection changed in this training (printed at its end)."""
+    train, evals = ctx.recoveries.count("oom"), ctx.recoveries.count("eval_oom")
+    where = f"logs in {ctx.run_dir} (events.jsonl, memlog.jsonl)"
+    if not (train or evals):
+        return f"protect: no out-of-memory error, nothing changed; {where}"
+    parts = []
+    if train:
+        unit = "pairs" if ctx.layout.pairs else "rows"
+        effective = (args.per_device_train_batch_size * args.gradient_accumulation_steps
+                     * args.world_size)
+        parts.append(f"{train} training OOM(s) recovered: {ctx.chunk_rows} of "
+                     f"{args.per_device_train_batch_size} {unit} per forward"
+                     + (", gradient checkpointing switched on" if ctx.grad_ckpt else "")
+                     + f"; the effective batch ({effective}) and its samples unchanged")
+    if evals:
+        parts.append(f"{evals} evaluation OOM(s) recovered: {ctx.eval_rows} of "
+                     f"{args.per_device_eval_batch_size} rows per prediction step")
+    return "protect: " + "; ".join(parts) + f"; {where}"
 
 
 def make_callback(ctx: ProtectContext, preflight: str, gpu: str | None) -> Any:

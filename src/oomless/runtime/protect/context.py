@@ -21,6 +21,29 @@ from ..train.oom import FaultInjector
 from .batch import Layout
 
 
+def say(text: str) -> None:
+    """A line on stderr on a line of its own: above tqdm's progress bars when tqdm is
+    loaded (``tqdm.write`` clears the bars, writes, and redraws them), else printed."""
+    import sys
+
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is not None and hasattr(tqdm, "tqdm"):
+        tqdm.tqdm.write(text, file=sys.stderr)
+        sys.stderr.flush()
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
+def checkpointing_on(model: Any) -> bool:
+    """Whether the model runs with gradient checkpointing (however it was switched on:
+    TrainingArguments, or the script calling ``gradient_checkpointing_enable``)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # renamed in 5.x
+        value = getattr(model, name, None)
+        if value is not None:
+            return bool(value)
+    return False
+
+
 class PeerOOM(Exception):
     """Another rank ran out of memory in this forward; this one stops it too."""
 
@@ -53,6 +76,7 @@ class ProtectContext:
     chunk_rows: int | None = None  # training rows per forward after an OOM (None: whole batch)
     eval_rows: int | None = None  # evaluation rows per prediction_step after an OOM
     grad_ckpt: bool = False  # switched on by the recovery
+    recoveries: list[str] = field(default_factory=list)  # "oom" / "eval_oom", in order
     predicted_peak_bytes: int | None = None
     # per optimizer step
     micro_index: int = -1
@@ -79,14 +103,14 @@ class ProtectContext:
 
     def event(self, kind: str, message: str, step: int | None = None, **data: Any) -> None:
         """An event line (rank 0); OOMs and recoveries are also said on stderr."""
+        if kind in ("oom", "eval_oom"):
+            self.recoveries.append(kind)
         if not self.dist.is_main:
             return
         self.log.event(kind, message, self.trainer.state.global_step if step is None else step,
                        **data)
         if "oom" in kind:
-            import sys
-
-            print(f"oomless: {message}", file=sys.stderr, flush=True)
+            say(f"oomless: {message}")
 
     # ---- the agreement ------------------------------------------------------------
     def agree(self, failed: bool) -> list[int]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..train.oom import first_line
+from .context import checkpointing_on, say
 from .env import EXIT_OOM_RESTART
 
 
@@ -61,11 +62,15 @@ def exit_for_restart(ctx: Any, err: BaseException, reason: str,
                f"relaunches from the last checkpoint with {batch}")
     data = {"error": first_line(err), "exit_code": EXIT_OOM_RESTART, "engine": ctx.kind,
             "rank": ctx.dist.rank, "phase": phase, "checkpoint": saved, **suggested}
+    if phase == "train":  # the setting that ran out of memory: a relaunch skips it
+        data["failed"] = {"micro_batch_size": ctx.chunk_rows
+                          or ctx.trainer.args.per_device_train_batch_size,
+                          "grad_ckpt": ctx.grad_ckpt or checkpointing_on(ctx.trainer.model)}
     # rank 0 may be blocked in a collective: each rank writes its own line
     ctx.log.run_dir.mkdir(parents=True, exist_ok=True)
     ctx.log.enabled = True
     ctx.log.event("oom_exit", message, ctx.step, **data)
-    print(f"oomless: {message}\n  last error: {first_line(err)}", file=sys.stderr, flush=True)
+    say(f"oomless: {message}\n  last error: {first_line(err)}")
     sys.stdout.flush()
     if ctx.dist.active:
         os._exit(EXIT_OOM_RESTART)  # no atexit handlers: they may wait on collectives

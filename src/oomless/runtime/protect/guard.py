@@ -42,8 +42,9 @@ from ..train.oom import (
     state_tensors,
     storage_bytes,
 )
+from . import metrics
 from .batch import batch_rows, loss_items, row_chunks
-from .context import PeerOOM, ProtectContext
+from .context import PeerOOM, ProtectContext, checkpointing_on
 from .exit import exit_for_restart
 
 
@@ -76,11 +77,15 @@ class StepGuard:
         self.original = original
         self.oom_types = oom_types()
         self.scaled = True  # whether chunk losses add up (num_items_in_batch normalisation)
+        self.step_counters: metrics.Counters | None = None  # TRL's counters (metrics.py)
+        self.attempt_counters: metrics.Counters | None = None
 
     def __call__(self, model: Any, inputs: Any, num_items_in_batch: Any = None,
                  *args: Any, **kwargs: Any) -> Any:
         c = self.ctx
         c.micro_index += 1
+        if c.micro_index == 0:
+            self.step_counters = metrics.snapshot(c.trainer)
         c.count_micro_batches()
         c.hook_model(model)
         if c.keeps_step_inputs:
@@ -146,6 +151,7 @@ class StepGuard:
             base = saved or t.args.gradient_accumulation_steps
             t.current_gradient_accumulation_steps = base * whole / max(part, 1) if part else base
         mode = self._budget(model)
+        self.attempt_counters = metrics.snapshot(t)
         try:
             with mode:
                 loss = self.original(model, inputs, num_items, *args, **kwargs)
@@ -189,13 +195,15 @@ class StepGuard:
                                  "are already past the point where they could join the recovery")
         release_memory(lambda: None, c.trainer.args.device)
         before = c.chunk_rows or rows or 1
+        failed = {"micro_batch_size": before,
+                  "grad_ckpt": c.grad_ckpt or checkpointing_on(c.trainer.model)}
         rec = next_setting(before, c.grad_ckpt)
         error = first_line(err)
         if rec is None:
             c.event("oom_unrecoverable", f"out of memory at step {c.step} with one row per "
                     "forward and gradient checkpointing: no recovery left that keeps the "
                     "training; lower the sequence length, quantize or shard the model",
-                    c.step, ranks=ranks, error=error)
+                    c.step, ranks=ranks, error=error, phase="train", failed=failed)
             raise err
         c.chunk_rows = rec.micro_batch_size
         if rec.grad_ckpt and not c.grad_ckpt:
@@ -204,12 +212,14 @@ class StepGuard:
         redo = in_backward and c.keeps_step_inputs
         if redo:
             model.zero_grad(set_to_none=True)
-        self._log_oom(ranks, error, before, rows, in_backward)
+        metrics.restore(c.trainer, self.step_counters if redo else self.attempt_counters)
+        self._log_oom(ranks, error, failed, rows, in_backward)
         return redo
 
-    def _log_oom(self, ranks: list[int], error: str, before: int, rows: int | None,
+    def _log_oom(self, ranks: list[int], error: str, failed: dict[str, Any], rows: int | None,
                  in_backward: bool) -> None:
         c = self.ctx
+        before = failed["micro_batch_size"]
         args = c.trainer.args
         per_device = args.per_device_train_batch_size
         unit = "pairs" if c.layout.pairs else "rows"
@@ -220,7 +230,7 @@ class StepGuard:
                 f"{' with gradient checkpointing' if c.grad_ckpt else ''}; the effective batch "
                 "is unchanged", c.step, ranks=ranks, error=error, phase="train",
                 micro_batch_before=before, micro_batch_after=c.chunk_rows,
-                grad_ckpt=c.grad_ckpt, in_backward=in_backward,
+                grad_ckpt=c.grad_ckpt, in_backward=in_backward, failed=failed,
                 unit=unit, weighting="num_items_in_batch" if self.scaled else
                 f"mean over {c.layout.weight}",
                 per_device_train_batch_size=per_device,

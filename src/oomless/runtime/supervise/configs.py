@@ -182,17 +182,69 @@ def _divisor_at_most(total: int, limit: int) -> int:
     return max(d for d in range(1, max(1, limit) + 1) if total % d == 0)
 
 
-def choose_change(view: ConfigView, diagnosis: Any, events: list[dict]) -> Change | None:
+@dataclass(frozen=True)
+class Setting:
+    """What a training OOM depends on that a relaunch can change: rows per forward and
+    gradient checkpointing (the sequence length, model and GPU stay)."""
+
+    micro_batch_size: int
+    grad_ckpt: bool
+
+    def covers(self, other: Setting) -> bool:
+        """When this setting ran out of memory, ``other`` would too: as many rows per
+        forward or more, and gradient checkpointing on only where it was on here too."""
+        return other.micro_batch_size >= self.micro_batch_size and (
+            self.grad_ckpt or not other.grad_ckpt)
+
+    @property
+    def text(self) -> str:
+        return f"micro batch {self.micro_batch_size}" + (
+            " with gradient checkpointing" if self.grad_ckpt else "")
+
+
+def failed_settings(view: ConfigView, events: list[dict], phase: str) -> list[Setting]:
+    """The training settings one attempt ran out of memory with: the configuration's own
+    (a training OOM ended it) and each one the protected Trainer tried in-process
+    (``oom``, ``oom_exit``, ``oom_unrecoverable`` events carry ``failed``)."""
+    out = [Setting(**e["failed"]) for e in events
+           if isinstance(e.get("failed"), dict) and e.get("phase", "train") == "train"]
+    if view.cfg is not None and phase == "train":
+        out.insert(0, Setting(view.cfg.micro_batch_size, view.cfg.grad_ckpt))
+    return out
+
+
+def oom_phase(diagnosis: Any, events: list[dict]) -> str:
+    """train | eval: the protected Trainer's last OOM event, else diagnose's causes."""
+    ooms = [e for e in events if e.get("event") in ("oom", "oom_exit", "eval_oom")]
+    causes = {c.code for f in diagnosis.findings for c in f.causes}
+    return ooms[-1].get("phase", "train") if ooms else (
+        "eval" if causes & EVAL_CAUSES else "train")
+
+
+def _ladder(micro: int, ckpt: bool, per_gpu: int, start: int) -> list[Setting]:
+    """The relaunch settings in order: fewer rows per forward down to 1, then
+    checkpointing on (the protected Trainer's order), from ``start`` rows."""
+    out: list[Setting] = []
+    if micro > 1:
+        rows = _divisor_at_most(per_gpu, start)
+        out.append(Setting(rows, ckpt))
+        while rows > 1:
+            rows = _divisor_at_most(per_gpu, rows // 2)
+            out.append(Setting(rows, ckpt))
+    if not ckpt:
+        out.append(Setting(1, True))
+    return out
+
+
+def choose_change(view: ConfigView, diagnosis: Any, events: list[dict],
+                  failed: list[Setting] = ()) -> Change | None:
     """The smallest change that keeps the effective batch, for the OOM that ended a run
-    (evaluation or training: the protected Trainer's events, else diagnose's causes)."""
+    (evaluation or training), never a training setting that ``failed`` already covers."""
     cfg = view.cfg
     if cfg is None:
         return None
     ooms = [e for e in events if e.get("event") in ("oom", "oom_exit", "eval_oom")]
-    causes = {c.code for f in diagnosis.findings for c in f.causes}
-    phase = ooms[-1].get("phase", "train") if ooms else (
-        "eval" if causes & EVAL_CAUSES else "train")
-    if phase == "eval":
+    if oom_phase(diagnosis, events) == "eval":
         current = cfg.eval_batch_size
         hints = [e["eval_batch_after"] for e in ooms if e.get("eval_batch_after")]
         new = min([current // 2, *hints])
@@ -200,18 +252,26 @@ def choose_change(view: ConfigView, diagnosis: Any, events: list[dict]) -> Chang
             return None
         return Change({"eval.batch_size": new}, f"eval batch {current} -> {new}", "eval")
     micro, per_gpu = cfg.micro_batch_size, cfg.micro_batch_size * cfg.grad_accum
-    if micro <= 1:
-        if cfg.grad_ckpt:
-            return None
-        return Change({"grad_ckpt": True}, "gradient checkpointing on (micro batch already 1)",
-                      "train")
     # the smallest change: half the micro batch, or less where the protected Trainer
     # already found in-process that less was needed
     limits = [micro // 2] + [e["micro_batch_after"] for e in ooms if e.get("micro_batch_after")]
-    new = _divisor_at_most(per_gpu, min(limits))
-    return Change({"micro_batch_size": new, "grad_accum": per_gpu // new},
-                  f"micro batch {micro} -> {new}, accumulation {cfg.grad_accum} -> "
-                  f"{per_gpu // new} (effective batch unchanged)", "train")
+    known = list(failed) or [Setting(micro, cfg.grad_ckpt)]
+    pick = next((s for s in _ladder(micro, cfg.grad_ckpt, per_gpu, min(limits))
+                 if not any(f.covers(s) for f in known)), None)
+    if pick is None:
+        return None
+    why = "; tried and out of memory: " + ", ".join(dict.fromkeys(f.text for f in known))
+    if pick.micro_batch_size == micro:
+        return Change({"grad_ckpt": True}, "gradient checkpointing on (micro batch already "
+                      f"{micro}){why}", "train")
+    changes: dict[str, Any] = {"micro_batch_size": pick.micro_batch_size,
+                               "grad_accum": per_gpu // pick.micro_batch_size}
+    text = (f"micro batch {micro} -> {pick.micro_batch_size}, accumulation {cfg.grad_accum} "
+            f"-> {per_gpu // pick.micro_batch_size} (effective batch unchanged)")
+    if pick.grad_ckpt and not cfg.grad_ckpt:
+        changes["grad_ckpt"] = True
+        text += ", gradient checkpointing on"
+    return Change(changes, text + why, "train")
 
 
 # ---- writing the fix into copies ---------------------------------------------------------

@@ -5,13 +5,16 @@
    check it; ``--auto-fit`` starts with check's smallest fix when it
    predicts an OOM.
 2. Launch it with the protection shim on ``PYTHONPATH`` (protect/bootstrap.py),
-   its output shown and copied to ``attempt-N.log``, GPUs sampled through NVML.
+   its output shown and copied to ``attempt-N.log``, GPUs sampled through NVML;
+   signals are passed to its process group and a watchdog stops it if oomless
+   dies (child.py).
 3. When it ends with an error: diagnose the log and the events the protected
    Trainer wrote. An OOM gets the smallest change that keeps the effective
-   batch (configs.choose_change), written into a copy of the configuration
-   (the original is never written); the command is relaunched with the copy,
+   batch and that no setting which already ran out of memory rules out
+   (configs.choose_change), written into a copy of the configuration (the
+   original is never written); the command is relaunched with the copy,
    resuming from the last complete ``checkpoint-N`` of ``output_dir``.
-   Anything else, or ``--max-restarts`` used up, ends the run.
+   A signal, anything else, or ``--max-restarts`` used up, ends the run.
 4. Write the report (``oomless report`` of the run folder).
 """
 
@@ -38,22 +41,28 @@ from ..protect.env import (
     RUN_DIR_ENV,
     RUN_SUBDIR,
 )
-from ..train.memlog import EVENTS, RunLog
+from ..train.memlog import EVENTS, MEMLOG, RunLog
+from .child import LOG_CAP_BYTES, STOP_GRACE_S, CappedLog, GroupStopper, Watchdog, log_tail
+from .child import signal_name as _signal_name
 from .command import Command, parse_command
 from .configs import (
     Change,
     ConfigView,
+    Setting,
     change_from_check,
     check_view,
     choose_change,
     diagnose_log,
+    failed_settings,
+    oom_phase,
     read_view,
     write_change,
 )
 from .sampler import GpuSampler
 
 DEFAULT_RUN_DIR = "oomless-run"
-STOP_WAIT_S = 30
+# what diagnose reads of a log: its end, where the error that ended the command is
+DIAGNOSE_TAIL_BYTES = 8 * 2**20
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,8 @@ class RunOptions:
     check: bool = True
     report: bool = True
     echo: bool = True  # show the command's output live
+    stop_grace_s: float = STOP_GRACE_S  # per stage of SIGINT -> SIGTERM -> SIGKILL
+    log_cap_bytes: int = LOG_CAP_BYTES  # per attempt-N.log (one older part kept)
 
 
 @dataclass
@@ -101,6 +112,13 @@ def read_run_events(run_dir: Path) -> list[dict[str, Any]]:
     return [obj for _n, obj in read_jsonl(path)] if path.is_file() else []
 
 
+def _files(folder: Path) -> dict[Path, int]:
+    """The files in ``folder`` and their modification times (what a fix wrote there)."""
+    if not folder.is_dir():
+        return {}
+    return {p: p.stat().st_mtime_ns for p in folder.iterdir() if p.is_file()}
+
+
 def _run_dir(opts: RunOptions, view: ConfigView) -> Path:
     if opts.run_dir:
         return Path(opts.run_dir)
@@ -119,9 +137,15 @@ class Supervisor:
         self.shim = write_shim(self.run_dir / "shim")
         self.gpu = opts.gpu
         self.result = RunResult(self.run_dir, 1)
+        self.echo = opts.echo
+        self.stopped_by: int | None = None  # the signal that stopped the last launch
+        self.failed: list[Setting] = []  # settings that ran out of memory, every attempt
 
     def say(self, text: str) -> None:
-        print(f"oomless run: {text}", file=sys.stderr, flush=True)
+        try:
+            print(f"oomless run: {text}", file=sys.stderr, flush=True)
+        except OSError:  # the terminal is gone (SIGHUP): events.jsonl has every message
+            pass
 
     def event(self, kind: str, message: str, **data: Any) -> None:
         self.log.event(kind, message, None, **data)
@@ -165,6 +189,7 @@ class Supervisor:
 
     def _apply(self, change: Change, attempt: int, kind: str) -> bool:
         folder = self.run_dir / "configs" / f"attempt-{attempt}"
+        before = _files(folder)
         try:
             command, diffs = write_change(self.view, change, folder)
         except OomlessError as err:
@@ -173,9 +198,12 @@ class Supervisor:
         self.command = command
         self.view = read_view(command, self.opts.model)
         self.result.changes.append(change.text)
-        self.event(kind, f"{change.text}; written to a copy in {folder} (your files are "
-                   "unchanged)", changes=change.changes, diffs=diffs, command=command.argv,
-                   phase=change.phase)
+        copies = sorted(str(p) for p, stamp in _files(folder).items() if before.get(p) != stamp)
+        where = (f"written to a copy: {', '.join(copies)}" if copies
+                 else "given on the command line")
+        self.event(kind, f"{change.text}; {where} (your files are unchanged)",
+                   changes=change.changes, diffs=diffs, command=command.argv,
+                   phase=change.phase, copies=copies)
         return True
 
     # ---- one launch -----------------------------------------------------------------------
@@ -195,42 +223,42 @@ class Supervisor:
         return env
 
     def launch(self, attempt: int, resume: Path | None) -> tuple[int, Path]:
+        """Run the command once (see child.py): its return code and its log."""
         log_path = self.run_dir / f"attempt-{attempt}.log"
         argv = self.command.argv
-        with open(log_path, "wb") as fh:
+        log = CappedLog(log_path, self.opts.log_cap_bytes)
+        watchdog = Watchdog(self.opts.stop_grace_s)
+        proc: subprocess.Popen | None = None
+        try:
             try:
                 proc = subprocess.Popen(argv, env=self._env(attempt, resume),
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         start_new_session=True)
             except OSError as err:
                 raise OomlessError(f"cannot start `{argv[0]}`: {err.strerror or err}") from None
-            try:
-                self._tee(proc, fh)
-                return proc.wait(), log_path
-            except KeyboardInterrupt:
-                self._stop(proc)
-                raise
+            watchdog.watch(proc.pid)
+            with GroupStopper(proc.pid, self.opts.stop_grace_s, self.say) as stopper:
+                self._tee(proc, log)
+                rc = proc.wait()
+            self.stopped_by = stopper.caught
+            return rc, log_path
+        finally:
+            if proc is not None and proc.poll() is None:  # oomless itself failed mid-way
+                GroupStopper(proc.pid, 0, self.say).kill(signal.SIGKILL)
+                proc.wait()
+            log.close()
+            watchdog.done()
 
-    def _tee(self, proc: subprocess.Popen, fh: Any) -> None:
+    def _tee(self, proc: subprocess.Popen, log: CappedLog) -> None:
         fd = proc.stdout.fileno()
         while chunk := os.read(fd, 65536):
-            fh.write(chunk)
-            fh.flush()
-            if self.opts.echo:
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
-
-    @staticmethod
-    def _stop(proc: subprocess.Popen) -> None:
-        """Ctrl-C: pass SIGINT to the command's process group, then kill it if it lingers."""
-        try:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(timeout=STOP_WAIT_S)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            log.write(chunk)
+            if self.echo:
+                try:
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+                except OSError:  # the terminal is gone (SIGHUP): the log still gets it
+                    self.echo = False
 
     # ---- after a launch -------------------------------------------------------------------
     def _output_dir(self, events: list[dict]) -> str | None:
@@ -239,7 +267,7 @@ class Supervisor:
 
     def after_failure(self, attempt: int, rc: int, log_path: Path, events: list[dict]) -> bool:
         """True when the command should run again (the fix written, the checkpoint found)."""
-        text = log_path.read_text(errors="replace")
+        text = log_tail(log_path, DIAGNOSE_TAIL_BYTES)
         diagnosis = diagnose_log(text, self.view)
         child_oom = any(e.get("event") in ("oom_exit", "oom_unrecoverable") for e in events)
         if not (diagnosis.found or child_oom or rc == EXIT_OOM_RESTART):
@@ -254,11 +282,15 @@ class Supervisor:
         self.event("oom_died", f"attempt {attempt} died of an out-of-memory error (exit code "
                    f"{rc})", attempt=attempt, returncode=rc,
                    causes=[c.code for f in diagnosis.findings[:3] for c in f.causes[:1]])
-        change = choose_change(self.view, diagnosis, events)
+        self.failed += failed_settings(self.view, events, oom_phase(diagnosis, events))
+        change = choose_change(self.view, diagnosis, events, self.failed)
         if change is None:
-            self.event("no_fix", "no change that keeps the effective batch is left (micro batch "
-                       "1 with gradient checkpointing, or the configuration is not readable); "
-                       f"see `oomless diagnose {log_path}`")
+            tried = ", ".join(dict.fromkeys(f.text for f in self.failed)) or "its settings"
+            self.event("no_fix", "no change that keeps the effective batch is left (tried and "
+                       f"out of memory: {tried}; or the configuration is not readable): "
+                       "lower the sequence length, quantize or shard the model; see "
+                       f"`oomless diagnose {log_path}`",
+                       failed=[vars(f) for f in self.failed])
             return False
         return self._apply(change, attempt + 1, "restart")
 
@@ -274,6 +306,12 @@ class Supervisor:
                 rc, log_path = self.launch(attempt, resume)
                 events = read_run_events(self.run_dir)[seen:]
                 self.result.returncode = rc
+                if self.stopped_by is not None:
+                    self.result.returncode = 128 + self.stopped_by
+                    self.event("stopped", f"attempt {attempt} stopped by "
+                               f"{_signal_name(self.stopped_by)} (exit code {rc}); not "
+                               "restarting", attempt=attempt, returncode=rc)
+                    break
                 if rc == 0:
                     self.event("finished", f"attempt {attempt} finished", attempt=attempt)
                     break
@@ -293,10 +331,15 @@ class Supervisor:
                                peak_used_bytes=sampler.peak_used_bytes)
         if self.opts.report:
             self.result.report = self._report()
-        self.result.verdict = "finished" if self.result.returncode == 0 else "failed"
+        self.result.verdict = "finished" if self.result.returncode == 0 else (
+            "stopped" if self.stopped_by is not None else "failed")
         return self.result
 
     def _report(self) -> Path | None:
+        if not (self.run_dir / MEMLOG).is_file():  # no step was logged: nothing to show
+            self.say(f"no report: no training step was logged (the command ended before its "
+                     f"first step); its output is in {self.run_dir}/attempt-*.log")
+            return None
         try:
             from ...report import load_report_data, write_report
 

@@ -37,6 +37,7 @@ class TraceStats:
     notes: list[str] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)  # real tensors only
     traced_layers: int = 0  # layers actually run (num_layers after expansion)
+    stream: Stream | None = None  # the analysed stream (a run replays it, allocator.run)
 
     @property
     def phase_peaks(self) -> dict[str, int]:

@@ -215,6 +215,7 @@ def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | Non
                     trainable_params=trainable, timeline_points=timeline_points,
                     module_peaks=module_peaks(tracker))
     stats.traced_layers = plan.traced
+    stats.stream = stream
     stats.notes.extend(built.notes)
     return stats
 

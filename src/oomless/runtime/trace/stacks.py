@@ -125,7 +125,7 @@ def after_lora(model: Any, cfg: RunConfig) -> list[str]:
         add_fused_lm_head(base, outputs=("log_probs", "entropy", "is_top1"))
         notes.append("TRL's add_fused_lm_head (log_probs, entropy, is_top1); its Triton "
                      "kernels replaced by no-ops (they allocate nothing)")
-    elif fx.fused_loss in ("liger", "unsloth"):
+    elif fx.fused_loss == "liger" or fx.fused_loss.startswith("unsloth"):
         notes.append(f"{fx.fused_loss} fused loss not run in the trace (its Triton kernels "
                      "do not run on CPU): the logits region comes from the analytic model")
     return notes
@@ -136,7 +136,10 @@ def trace_unsupported(cfg: RunConfig) -> str | None:
     from ...memory.stacks import installed_version, loss_path
 
     fx = stack_effects(cfg)
-    if fx.fused_loss in ("liger", "unsloth"):
+    if cfg.stack == "torchtune":
+        return ("torchtune runs its own model classes and recipes, which are not installed "
+                "beside oomless's pins; its memory is modelled from its source (docs/stacks.md)")
+    if fx.fused_loss == "liger" or fx.fused_loss.startswith("unsloth"):
         return (f"the {fx.fused_loss} fused cross-entropy runs Triton kernels, which do not run "
                 "on CPU; its memory is modelled from its source")
     installed = installed_version("transformers")

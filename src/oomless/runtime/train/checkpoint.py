@@ -20,15 +20,21 @@ skipped on resume in favour of an older one.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import random
 import re
 import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError
+from ...errors import ConfigError, OutputError
 from ...fileio import new_temp_dir, publish_dir, sha256_file, write_json_atomic
+from ...units import fmt_bytes
 
 CHECKPOINTS = "checkpoints"
 STATE = "trainer_state.json"
@@ -38,6 +44,65 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be used (corrupt, incomplete, or not plain data)."""
+
+
+class CheckpointWriteError(OutputError):
+    """A checkpoint or the final weights could not be written (disk full, read-only)."""
+
+
+# errno values that mean the file system refused the write, not a bug in the writer
+_REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO,
+            errno.EFBIG}
+
+
+def _free_bytes(folder: Path) -> int | None:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _refusal(err: BaseException, free: int | None) -> int | None:
+    """The errno with which the file system refused a write, or None (not a file-system
+    error). torch's zip writer (caffe2 inline_container.cc) re-raises a failed write as a
+    RuntimeError whose ``__context__`` is the OSError; safetensors reports it in its own
+    type without the errno: a file system with no space left after the failure (a short
+    write fills it) tells disk-full apart."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _REFUSED:
+            return seen.errno
+        seen = seen.__cause__ or seen.__context__
+    return errno.ENOSPC if free == 0 else None
+
+
+_FIX = {errno.ENOSPC: "free space", errno.EDQUOT: "free space (a disk quota is full)",
+        errno.EROFS: "make the folder writable", errno.EACCES: "make the folder writable",
+        errno.EPERM: "make the folder writable"}
+
+
+@contextlib.contextmanager
+def writing(tmp: Path, what: str, run_dir: Path) -> Iterator[None]:
+    """Writes into ``tmp``; on a failure the temporary folder is removed and a write that
+    the file system refused becomes one CheckpointWriteError naming it and the fix."""
+    try:
+        yield
+    except BaseException as err:
+        code = _refusal(err, _free_bytes(tmp if tmp.is_dir() else run_dir))
+        shutil.rmtree(tmp, ignore_errors=True)
+        if code is None or not isinstance(err, Exception):
+            raise
+        free = _free_bytes(run_dir)
+        latest = latest_checkpoint(run_dir)
+        resume = (f"`oomless train CONFIG --resume` continues from {latest.name}" if latest
+                  else "start again (no checkpoint was written yet)")
+        raise CheckpointWriteError(
+            f"could not write {what} in '{run_dir}': {os.strerror(code)} "
+            f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}); the "
+            "half-written folder was removed"
+            + (f", {fmt_bytes(free)} free there now" if free is not None else "")
+            + f". {_FIX.get(code, 'check the disk').capitalize()}, then {resume}") from None
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -177,11 +242,27 @@ def publish(run_dir: Path, tmp: Path, step: int, keep: int | None) -> Path:
     """Rank 0: rename the finished temporary folder into place; prune old ones."""
     final = publish_dir(tmp, checkpoint_dir(run_dir, step))
     if keep:
-        root = run_dir / CHECKPOINTS
-        steps = sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
-        for old in steps[:-keep]:
-            shutil.rmtree(checkpoint_dir(run_dir, old))
+        prune(run_dir, keep)
     return final
+
+
+def prune(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest ``step-N`` folders (``save_total_limit``); a
+    symbolic link among them is left alone (nothing is deleted through a link) with a
+    warning. Returns the links skipped."""
+    root = run_dir / CHECKPOINTS
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir()
+                   if (m := _STEP_DIR.match(p.name)))
+    skipped = []
+    for _step, old in steps[:-keep]:
+        if old.is_symlink() or not old.is_dir():
+            skipped.append(old)
+            print(f"oomless: warning: {old} is a symbolic link or not a folder; not deleted "
+                  "(save_total_limit deletes only the checkpoint folders it wrote)",
+                  file=sys.stderr, flush=True)
+            continue
+        shutil.rmtree(old)
+    return skipped
 
 
 def check_pickles(folder: Path, allowed: tuple[Any, ...]) -> None:

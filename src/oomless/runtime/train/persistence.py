@@ -151,25 +151,29 @@ class CheckpointedRun:
         tmp = ckpt.prepare_tmp(self.folder.path, self.step) if d.is_main else None
         d.barrier()
         tmp = Path(d.broadcast_str(str(tmp) if tmp else None))
-        ckpt.write_rank_rng(tmp, d.rank)
-        self.engine.save_state(tmp)
-        d.barrier()
         final = None
-        self.engine.save_weights(tmp)
-        if d.is_main:
-            state = {"run_id": self.folder.run_id, "step": self.step,
-                     "eval_round": self.eval_round, "micro_batch_size": self.micro_batch_size,
-                     "eval_batch_size": self.eval_batch_size, "grad_ckpt": self.grad_ckpt,
-                     "first_loss": self.first_loss, "schedule": self.schedule_dict(),
-                     "data_position": self.schedule.position(self.step),
-                     "fault_injection": self.injector.state_dict(),
-                     "config": self.cfg.to_dict(), "data": self.data_fingerprints}
-            ckpt.write_main(tmp, self.scheduler, state)
-            final = ckpt.publish(self.folder.path, tmp, self.step,
-                                 self.cfg.training.save_total_limit)
+        with ckpt.writing(tmp, f"checkpoint step-{self.step:06d}", self.folder.path):
+            ckpt.write_rank_rng(tmp, d.rank)
+            self.engine.save_state(tmp)
+            d.barrier()
+            self.engine.save_weights(tmp)
+            if d.is_main:
+                ckpt.write_main(tmp, self.scheduler, self._checkpoint_state())
+                final = ckpt.publish(self.folder.path, tmp, self.step,
+                                     self.cfg.training.save_total_limit)
+        if final is not None:
             self.log.event("checkpoint", f"checkpoint {final.name}", self.step, path=str(final))
         d.barrier()
         return final
+
+    def _checkpoint_state(self: Any) -> dict[str, Any]:
+        return {"run_id": self.folder.run_id, "step": self.step,
+                "eval_round": self.eval_round, "micro_batch_size": self.micro_batch_size,
+                "eval_batch_size": self.eval_batch_size, "grad_ckpt": self.grad_ckpt,
+                "first_loss": self.first_loss, "schedule": self.schedule_dict(),
+                "data_position": self.schedule.position(self.step),
+                "fault_injection": self.injector.state_dict(),
+                "config": self.cfg.to_dict(), "data": self.data_fingerprints}
 
     def finish(self: Any, result: TrainResult) -> TrainResult:
         """Last checkpoint, the final weights + tokenizer in RUN/final, summary.json."""
@@ -182,10 +186,11 @@ class CheckpointedRun:
         d = self.dist
         tmp = self.folder.new_final_dir() if d.is_main else None
         tmp = Path(d.broadcast_str(str(tmp) if tmp else None))
-        self.engine.save_weights(tmp)
-        if d.is_main:
-            self.tokenizer.save_pretrained(str(tmp))
-            result.final_dir = self.folder.publish_final(tmp)
+        with ckpt.writing(tmp, "the final weights", self.folder.path):
+            self.engine.save_weights(tmp)
+            if d.is_main:
+                self.tokenizer.save_pretrained(str(tmp))
+                result.final_dir = self.folder.publish_final(tmp)
             summary = summary_dict(result, self.schedule.effective_batch, self.device.type)
             self.folder.write_summary(summary)
             self.log.event("finish", "training finished; predicted vs measured peak in "

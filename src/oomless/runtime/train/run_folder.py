@@ -98,12 +98,15 @@ class RunLock:
             raise ConfigError(f"'{self.path.parent}' is in use by another training run "
                               f"({_describe(holder)}); wait for it to finish or choose another "
                               "training.output_dir") from None
+        self._fd = fd
         info = {"pid": os.getpid(), "host": socket.gethostname(), "run_id": run_id,
                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        os.fsync(fd)
-        self._fd = fd
+        try:  # who holds it, for a second run's message; the flock alone is the lock
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+            os.fsync(fd)
+        except OSError:  # a full disk: the leftovers removed next may free it
+            pass
 
     def release(self) -> None:
         if self._fd is not None:

@@ -8,7 +8,8 @@ const LORA_RANKS = [2, 4, 8, 16, 32, 64, 128, 256, 512];
 const COLORS = { weights: "#4c6ef5", gradients: "#fab005", optimizer: "#ae3ec9",
   activations: "#12b886", logits: "#f76707", overheads: "#868e96", other: "#343a40" };
 const BADGES = { fits: "FITS", tight: "TIGHT", "out-of-memory": "OUT OF MEMORY" };
-const ui = window.oomlessUI = { updates: 0, lastUpdateMs: null, effectsUpdates: 0 };
+const ui = window.oomlessUI = { updates: 0, lastUpdateMs: null, effectsUpdates: 0,
+  done: {}, copied: null };
 const state = { choices: null, modelConfig: null, seq: 0, inflight: false, pending: false,
   effectsTimer: null };
 
@@ -33,15 +34,20 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
-async function api(path, body) {
+/* Thrown for a request that a newer one of the same tab replaced: shown nowhere. */
+class Superseded extends Error {}
+
+async function api(path, body, signal) {
   let response;
   try {
-    response = await fetch(path, { method: "POST", body: JSON.stringify(body),
+    response = await fetch(path, { method: "POST", body: JSON.stringify(body), signal,
       headers: { "content-type": "application/json" } });
   } catch (err) {
+    if (err.name === "AbortError") throw new Superseded("superseded");
     throw new Error("the oomless ui server does not answer: is it still running?");
   }
   const data = await response.json().catch(() => ({}));
+  if (signal && signal.aborted) throw new Superseded("superseded");
   if (!response.ok || data.error) {
     throw new Error(data.error || `the server answered ${response.status}`);
   }
@@ -54,18 +60,70 @@ function showError(id, err) {
   box.textContent = err ? err.message || String(err) : "";
 }
 
-/* One tab's action: its button waits meanwhile, its error box says what went wrong. */
-async function action(buttonId, errorId, work) {
-  const button = $(buttonId);
-  button.disabled = true;
-  try {
-    await work();
-    showError(errorId, null);
-  } catch (err) {
-    showError(errorId, err);
-  } finally {
-    button.disabled = false;
+/* Each tab's request: a new one supersedes (aborts) the one in flight; the tab's
+   progress line counts the seconds; its old result is greyed while it works and
+   cleared when the request fails, so no old result stays under an error. */
+const tasks = {};
+
+async function runTask(name, work, { clear } = {}) {
+  const previous = tasks[name];
+  if (previous) {
+    previous.controller.abort();
+    ui.superseded = (ui.superseded || 0) + 1;
   }
+  const task = { controller: new AbortController(), started: performance.now() };
+  tasks[name] = task;
+  const progress = $(`${name}-progress`), out = $(`${name}-result`);
+  if (out) out.classList.add("stale");
+  if (progress) {
+    progress.hidden = false;
+    const tick = () => { progress.textContent =
+      `working… ${((performance.now() - task.started) / 1000).toFixed(1)} s`; };
+    tick();
+    task.timer = setInterval(tick, 100);
+    ui.progressShown = (ui.progressShown || 0) + 1;
+  }
+  ui.done[name] = ui.done[name] || 0;
+  try {
+    await work(task.controller.signal);
+    if (tasks[name] !== task) return;
+    showError(`${name}-error`, null);
+  } catch (err) {
+    if (err instanceof Superseded || tasks[name] !== task) return;
+    showError(`${name}-error`, err);
+    if (clear) clear();
+  } finally {
+    clearInterval(task.timer);
+    if (tasks[name] === task) {
+      if (progress) progress.hidden = true;
+      if (out) out.classList.remove("stale");
+      delete tasks[name];
+      ui.done[name] += 1;
+    }
+  }
+}
+
+/* A result's command line with a button that copies it. */
+function commandBox(command, title = "Same result on the command line") {
+  const copy = el("button", { class: "copy", onclick: () => copyText(command, copy) },
+    "copy CLI command");
+  return el("div", { class: "command" }, el("div", { class: "hint" }, title, " ", copy),
+    el("pre", { class: "code" }, command));
+}
+
+async function copyText(text, button) {
+  ui.copied = text;
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch (err) {  // no clipboard permission: the old way
+    const box = el("textarea", {}, text);
+    document.body.append(box);
+    box.select();
+    document.execCommand("copy");
+    box.remove();
+  }
+  if (button) { button.textContent = "copied"; setTimeout(() => {
+    button.textContent = "copy CLI command"; }, 1500); }
 }
 
 function download(name, text) {
@@ -148,3 +206,40 @@ function bandText(v) {
     `(the estimate's uncertainty band: ${fmtBytes(v.high_bytes - v.low_bytes)} wide)`;
 }
 
+
+/* ---- the view in the address (a link reproduces it) ---------------------- */
+const URL_FORMS = ["setup", "knobs", "plan-form", "inf-form"];
+
+function urlInputs() {
+  return URL_FORMS.flatMap((id) => [...$(id).querySelectorAll("input[id], select[id]")])
+    .filter((i) => i.type !== "file" && !i.id.endsWith("-range"));
+}
+
+function writeUrl() {
+  const params = new URLSearchParams();
+  if (state.token) params.set("token", state.token);
+  params.set("tab", state.tab || "estimate");
+  for (const input of urlInputs()) {
+    if (input.id === "model" && state.modelConfig) continue;  // an upload is not in a link
+    let value = input.type === "checkbox" ? (input.checked ? "1" : "0") : input.value;
+    if (input.id === "lora_r") value = String(LORA_RANKS[Number(value)]);
+    if (value !== "") params.set(input.id, value);
+  }
+  history.replaceState(null, "", `?${params}`);
+}
+
+/* The address's values into the inputs; the tab it names (or null). */
+function readUrl() {
+  const params = new URLSearchParams(location.search);
+  state.token = params.get("token");
+  for (const input of urlInputs()) {
+    if (!params.has(input.id)) continue;
+    const value = params.get(input.id);
+    if (input.type === "checkbox") input.checked = value === "1";
+    else if (input.id === "lora_r") {
+      const i = LORA_RANKS.indexOf(Number(value));
+      if (i >= 0) input.value = i;
+    } else input.value = value;
+  }
+  return params.get("tab");
+}

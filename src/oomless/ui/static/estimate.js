@@ -10,8 +10,13 @@ const KNOB_SELECTS = { method: "methods", quant: "quant", precision: "precisions
 function setupKnobs() {
   const c = state.choices;
   for (const [id, key] of Object.entries(KNOB_SELECTS)) fillSelect(id, c[key].map(String));
-  fillSelect("plan-method", ["auto", ...c.methods]);
+  fillSelect("plan-method", ["keep", "auto", ...c.methods],
+    ["the Estimate's", "auto (any method)", ...c.methods]);
   setKnobs(c.defaults);
+  for (const id of ["batch_size", "seq_len"]) {  // a slider beside a number one can type
+    $(`${id}-range`).addEventListener("input", () => { $(id).value = $(`${id}-range`).value; });
+    $(id).addEventListener("input", () => { $(`${id}-range`).value = $(id).value; });
+  }
   for (const input of $("knobs").querySelectorAll("input, select")) {
     input.addEventListener("input", () => { showKnobValues(); scheduleEstimate(); });
   }
@@ -26,14 +31,13 @@ function setKnobs(values) {
       input.value = i >= 0 ? i : LORA_RANKS.indexOf(16);
     } else if (input.type === "checkbox") input.checked = !!value;
     else input.value = String(value);
+    if ($(`${id}-range`)) $(`${id}-range`).value = String(value);
   }
   showKnobValues();
 }
 
 function showKnobValues() {
   $("lora_r-out").textContent = LORA_RANKS[Number($("lora_r").value)];
-  $("batch_size-out").textContent = $("batch_size").value;
-  $("seq_len-out").textContent = $("seq_len").value;
   $("quant-row").hidden = $("method").value !== "qlora";
   for (const id of ["lora_r", "lora_targets"]) $(id).disabled = $("method").value === "full";
 }
@@ -49,10 +53,23 @@ function estimateRequest() {
   return req;
 }
 
-/* One request at a time; a knob moved meanwhile asks again with its newest value. */
+/* One request at a time; a knob moved meanwhile asks again with its newest value
+   (the newest value supersedes any queued one). */
 function scheduleEstimate() {
+  writeUrl();
   if (state.inflight) { state.pending = true; return; }
   runEstimate();
+}
+
+/* An error leaves nothing of the previous result: no chart, numbers, table or command. */
+function clearEstimate() {
+  ui.lastEstimate = null;
+  setVerdict("verdict", null, "", null);
+  drawn.delete($("est-chart"));
+  for (const id of ["est-chart", "est-numbers", "est-command", "est-assumptions",
+    "est-timing"]) $(id).replaceChildren();
+  $("effects").tBodies[0].replaceChildren();
+  $("est-result").classList.add("failed");
 }
 
 async function runEstimate() {
@@ -61,25 +78,36 @@ async function runEstimate() {
   const seq = ++state.seq;
   const started = performance.now();
   const req = estimateRequest();
+  $("est-result").classList.add("stale");
+  $("est-progress").hidden = false;
+  $("est-progress").textContent = "estimating…";
   try {
     const data = await api("/api/estimate", req);
     const answered = performance.now();
     showError("est-error", null);
-    await renderEstimate(data);
-    ui.lastUpdateMs = performance.now() - started;
-    ui.lastFetchMs = answered - started;
-    $("est-timing").textContent = `updated in ${ui.lastUpdateMs.toFixed(0)} ms`;
-    clearTimeout(state.effectsTimer);
-    ui.effectsBusy = true;
-    state.effectsTimer = setTimeout(() => runEffects(req, seq), 150);
+    if (!state.pending) {  // a newer value is queued: draw that one instead
+      await renderEstimate(data);
+      ui.lastUpdateMs = performance.now() - started;
+      ui.lastFetchMs = answered - started;
+      $("est-timing").textContent = `updated in ${ui.lastUpdateMs.toFixed(0)} ms`;
+      clearTimeout(state.effectsTimer);
+      ui.effectsBusy = true;
+      state.effectsTimer = setTimeout(() => runEffects(req, seq), 150);
+    }
   } catch (err) {
     showError("est-error", err);
-    setVerdict("verdict", null, "", null);
+    clearTimeout(state.effectsTimer);
+    ui.effectsBusy = false;
+    clearEstimate();
   } finally {
     ui.updates += 1;
     state.inflight = false;
     if (state.pending) runEstimate();
-    else ui.busy = false;
+    else {
+      ui.busy = false;
+      $("est-result").classList.remove("stale");
+      $("est-progress").hidden = true;
+    }
   }
 }
 
@@ -99,6 +127,7 @@ function estimateChart(data) {
 
 async function renderEstimate(data) {
   ui.lastEstimate = data;
+  $("est-result").classList.remove("failed");
   const v = data.verdict;
   setVerdict("verdict", v.state, v.text, bandText(v));
   drawBars($("est-chart"), estimateChart(data));
@@ -114,7 +143,7 @@ async function renderEstimate(data) {
   if (data.host_ram_bytes) numbers.push(["host RAM (offload)", fmtBytes(data.host_ram_bytes)]);
   $("est-numbers").replaceChildren(...numbers.map(([k, val]) =>
     el("div", {}, el("b", {}, val), el("span", {}, k))));
-  $("est-command").textContent = data.command;
+  $("est-command").replaceChildren(commandBox(data.command));
   $("est-assumptions-title").textContent = `Assumptions (${data.assumptions.length})`;
   $("est-assumptions").replaceChildren(...data.assumptions.map((a) => el("li", {}, a)));
 }
@@ -132,7 +161,9 @@ async function runEffects(req, seq) {
     $("effects").tBodies[0].replaceChildren(...rows);
     ui.effectsUpdates += 1;
   } catch (err) {
+    if (seq !== state.seq) return;
     showError("est-error", err);
+    clearEstimate();
   } finally {
     if (seq === state.seq) ui.effectsBusy = false;
   }
@@ -141,6 +172,7 @@ async function runEffects(req, seq) {
 function applyChange(change) {
   const values = { ...change };
   if ("gpus" in values) { $("gpus").value = values.gpus; delete values.gpus; }
+  if ("gpu" in values) { $("gpu").value = values.gpu; delete values.gpu; }
   setKnobs(values);
   scheduleEstimate();
 }

@@ -2,15 +2,6 @@
 "use strict";
 
 /* ---- plan ------------------------------------------------------------------ */
-function configKnobs(c) {
-  return { method: c.method, precision: c.precision, optim: c.optimizer,
-    quant: c.quantization.bits === 8 ? "int8" : c.quantization.type, lora_r: c.lora.r,
-    lora_targets: Array.isArray(c.lora.targets) ? c.lora.targets.join(",") : c.lora.targets,
-    batch_size: c.micro_batch_size, grad_accum: c.grad_accum, seq_len: c.seq_len,
-    grad_ckpt: c.grad_ckpt, attn: c.attn, zero: c.zero, offload: c.offload, stack: c.stack,
-    stage: c.stage };
-}
-
 function planCard(p, i) {
   const files = Object.entries(p.files).map(([name, text]) =>
     el("button", { onclick: () => download(name, text), "data-file": name }, `⬇ ${name}`));
@@ -18,25 +9,46 @@ function planCard(p, i) {
     el("h4", {}, `${i + 1}. ${p.family} — ${p.text} · ${Math.round(p.tokens_per_s)
       .toLocaleString()} tokens/s · step ${p.step}`),
     el("div", {}, p.read_as),
-    el("div", { class: "hint" }, `changes: ${p.changes.join("; ") || "none"}`),
+    el("div", { class: "changed" }, p.changes.length
+      ? `changed from your Estimate so that it fits: ${p.changes.join("; ")}`
+      : "your Estimate's configuration as it is"),
     p.tradeoffs.length ? el("div", { class: "hint" }, `trade-offs: ${p.tradeoffs.join("; ")}`)
       : null,
     el("div", { class: "plan-files" }, files,
-      el("button", { onclick: () => { setKnobs(configKnobs(p.config));
-        $("gpus").value = p.config.hardware.gpus_per_node; switchTab("estimate");
-        scheduleEstimate(); } }, "open in Estimate")));
+      el("button", { class: "open-estimate", onclick: () => openInEstimate(p.knobs) },
+        "open in Estimate")),
+    commandBox(p.command, "This plan's estimate on the command line"));
 }
 
-async function runPlan() {
-  const req = { ...modelRequest(), method: $("plan-method").value,
+function openInEstimate(knobs) {
+  applyChange(knobs);  // the GPU, the count and every knob of the plan
+  switchTab("estimate");
+}
+
+function planPlaceholders() {
+  const req = estimateRequest();
+  $("plan-seq").placeholder = `${req.seq_len}`;
+  $("plan-effective").placeholder = `${req.batch_size * req.grad_accum * req.gpus}`;
+  $("plan-method").options[0].textContent = `the Estimate's (${req.method})`;
+}
+
+async function runPlan(signal) {
+  const req = { knobs: estimateRequest(), method: $("plan-method").value,
     objective: $("plan-objective").value, top: Number($("plan-top").value) || 5,
     headroom: (Number($("plan-headroom").value) || 0) / 100,
     effective_batch: $("plan-effective").value || null, seq_len: $("plan-seq").value || null };
-  const r = await api("/api/plan", req);
+  const r = await api("/api/plan", req, signal);
+  ui.lastPlan = r;
+  const k = r.kept;
   const out = [el("p", {}, `${r.model} on ${r.hardware} · effective batch ` +
     `${r.effective_batch} · budget ${fmtBytes(r.budget_bytes)} per GPU · searched ` +
     `${r.searched.toLocaleString()} configurations in ${r.elapsed_s.toFixed(2)} s, ` +
-    `${r.fitting.toLocaleString()} fit`)];
+    `${r.fitting.toLocaleString()} fit`),
+  el("div", { class: "kept", id: "plan-kept" }, `kept from your Estimate: sequence ${k.seq_len}` +
+    `, effective batch ${k.effective_batch}, method ${k.method}, stage ${k.stage}, ` +
+    `stack ${k.stack}`)];
+  if (r.method_note) out.push(el("div", { class: "verdict tight", id: "plan-method-note" },
+    el("span", { class: "badge" }, "METHOD CHANGED"), el("span", {}, r.method_note)));
   out.push(...r.notes.map((n) => el("div", { class: "hint" }, `note: ${n}`)));
   if (!r.plans.length) {
     out.push(el("div", { class: "verdict out-of-memory" },
@@ -48,12 +60,63 @@ async function runPlan() {
       el("ul", { class: "notes" }, r.misses.map((m) => el("li", {}, m))));
   }
   out.push(...r.suggestions.map((s) => el("div", {}, `would fit: ${s}`)));
-  $("plan-out").replaceChildren(...out);
+  out.push(commandBox(r.command, "This search on the command line (oomless.yaml: your " +
+    "Estimate's run)"), el("button", { onclick: () => download("oomless.yaml", r.base_yaml) },
+    "⬇ oomless.yaml (your Estimate's run)"));
+  $("plan-result").replaceChildren(...out);
+}
+
+/* ---- inference --------------------------------------------------------------- */
+function inferenceRequest() {
+  const req = { ...modelRequest(), gpus: 1, engine: $("inf-engine").value,
+    seq_len: $("inf-prompt").value || null, max_new_tokens: $("inf-new").value || null };
+  if (req.engine === "vllm") {
+    Object.assign(req, { max_model_len: $("inf-max-model-len").value || null,
+      max_num_seqs: $("inf-max-num-seqs").value || null,
+      gpu_memory_utilization: $("inf-utilization").value || null,
+      kv_cache_dtype: $("inf-kv-dtype").value });
+  } else req.batch_size = $("inf-batch").value || null;
+  return req;
+}
+
+function showEngineFields() {
+  const vllm = $("inf-engine").value === "vllm";
+  for (const l of document.querySelectorAll("#inf-form .vllm")) l.hidden = !vllm;
+  for (const l of document.querySelectorAll("#inf-form .hf")) l.hidden = vllm;
+}
+
+async function runInference(signal) {
+  writeUrl();
+  const r = await api("/api/inference", inferenceRequest(), signal);
+  ui.lastInference = r;
+  const badge = { fits: "FITS", tight: "QUEUES", "out-of-memory": "OUT OF MEMORY" }[r.state];
+  const out = [el("div", { class: `verdict ${r.state || ""}`, id: "inf-verdict" },
+    el("span", { class: "badge" }, badge || "NO GPU"), el("span", {}, r.text))];
+  const rows = r.rows.map(([name, _b, text]) => el("tr", {}, el("td", {}, name),
+    el("td", {}, text)));
+  out.push(el("table", { class: "grid", id: "inf-table" }, el("tbody", {}, rows)));
+  if (r.engine === "vllm") {
+    const b = r.budget;
+    out.push(el("div", { class: "numbers", id: "inf-numbers" }, [
+      [b.num_blocks.toLocaleString(), `KV blocks (${fmtBytes(b.block_bytes)} each)`],
+      [Math.floor(b.max_concurrency).toLocaleString(),
+        `largest max_num_seqs held at ${b.max_model_len.toLocaleString()} tokens`],
+      [b.required_utilization === null ? "more than this GPU" :
+        b.required_utilization.toFixed(2), `smallest gpu_memory_utilization for ` +
+        `${b.max_num_seqs} sequences`],
+      [b.gpu_memory_utilization.toFixed(2), "gpu_memory_utilization chosen"],
+    ].map(([v, k]) => el("div", {}, el("b", {}, v), el("span", {}, k)))));
+    const copy = el("button", { class: "copy", onclick: () => copyText(r.engine_args_text, copy) },
+      "copy engine arguments");
+    out.push(el("div", { class: "hint" }, "vLLM engine arguments (LLM(**args)) ", copy),
+      el("pre", { class: "code", id: "inf-engine-args" }, r.engine_args_text));
+  }
+  out.push(commandBox(r.command));
+  $("inf-result").replaceChildren(...out);
 }
 
 /* ---- check ----------------------------------------------------------------- */
-async function runCheck() {
-  $("check-out").hidden = true;
+async function runCheck(signal) {
   const chosen = [...$("check-file").files];
   const files = chosen.length
     ? await Promise.all(chosen.map(async (f) => ({ name: f.name, text: await f.text() })))
@@ -61,11 +124,12 @@ async function runCheck() {
   renderCheck(await api("/api/check", { files, gpu: $("gpu").value,
     gpus: Number($("gpus").value) || 1, model: $("check-model").value || null,
     seq_len: $("check-seq").value || null,
-    headroom: (Number($("check-headroom").value) || 0) / 100 }));
+    headroom: (Number($("check-headroom").value) || 0) / 100 }, signal));
 }
 
 function renderCheck(r) {
-  $("check-out").hidden = false;
+  $("check-result").hidden = false;
+  $("check-command").replaceChildren(commandBox(r.command));
   setVerdict("check-verdict", r.state, r.text, null);
   $("check-read").textContent = `${r.label} ${r.files.join(", ")} · ${r.model} on ` +
     `${r.hardware} · read as: ${r.read_as}`;
@@ -100,12 +164,15 @@ function renderCheck(r) {
 }
 
 /* ---- diagnose -------------------------------------------------------------- */
-async function runDiagnose() {
+async function runDiagnose(signal) {
   const req = { log: $("diag-log").value, config: $("diag-config").value };
   if ($("diag-use-gpu").checked) Object.assign(req, { gpu: $("gpu").value,
     gpus: Number($("gpus").value) || 1 });
-  const r = await api("/api/diagnose", req);
+  const r = await api("/api/diagnose", req, signal);
   const out = [];
+  const read = Object.entries(r.hints).map(([k, v]) => `${k.replace(/_/g, " ")} ${v}`);
+  if (read.length) out.push(el("div", { class: "kept", id: "diag-hints" },
+    `read from the log (the fixes start from these): ${read.join(", ")}`));
   if (!r.found) out.push(el("div", { class: "verdict" }, el("span", { class: "badge" },
     "NOTHING FOUND"), el("span", {}, r.summary)));
   for (const e of r.events) {
@@ -121,13 +188,13 @@ async function runDiagnose() {
         f.keeps_training ? "" : el("span", { class: "hint" }, "  (changes the training)"))))));
   }
   out.push(...r.notes.map((n) => el("div", { class: "hint" }, `note: ${n}`)));
-  $("diag-out").replaceChildren(...out);
+  out.push(commandBox(r.command));
+  $("diag-result").replaceChildren(...out);
 }
 
 /* ---- runs -------------------------------------------------------------------- */
-async function openRun() {
-  $("runs-frame").hidden = true;
-  const r = await api("/api/report", { path: $("runs-path").value });
+async function openRun(signal) {
+  const r = await api("/api/report", { path: $("runs-path").value }, signal);
   const s = r.summary;
   const parts = [`${s.steps} steps`, `${s.events} events (${s.ooms} out of memory)`];
   if (s.measured_peak_bytes) parts.push(`${s.measured_peak_label} ${fmtBytes(s.measured_peak_bytes)}`);
@@ -135,16 +202,27 @@ async function openRun() {
   $("runs-summary").textContent = `${s.title}: ${parts.join(" · ")}`;
   $("runs-frame").srcdoc = r.html;
   $("runs-frame").hidden = false;
+  $("runs-command").replaceChildren(commandBox(r.command));
 }
 
 /* ---- tabs and start ---------------------------------------------------------- */
 function switchTab(name) {
+  state.tab = name;
   for (const b of document.querySelectorAll("#tabs button")) {
     b.classList.toggle("active", b.dataset.tab === name);
   }
   for (const t of document.querySelectorAll(".tab")) t.classList.toggle("active", t.id === `tab-${name}`);
+  if (name === "plan") planPlaceholders();
+  writeUrl();
   redrawCharts();  // a chart drawn while its tab was hidden has no width
 }
+
+const CLEAR = { plan: () => $("plan-result").replaceChildren(),
+  inf: () => $("inf-result").replaceChildren(),
+  check: () => { $("check-result").hidden = true; },
+  diag: () => $("diag-result").replaceChildren(),
+  runs: () => { $("runs-summary").textContent = ""; $("runs-frame").hidden = true;
+    $("runs-command").replaceChildren(); } };
 
 async function start() {
   for (const b of document.querySelectorAll("#tabs button")) {
@@ -154,15 +232,24 @@ async function start() {
   state.choices = await response.json();
   setupBar();
   setupKnobs();
-  for (const [name, run] of [["plan", runPlan], ["check", runCheck], ["diag", runDiagnose],
-    ["runs", openRun]]) {
-    $(`${name}-run`).addEventListener("click", () => action(`${name}-run`, `${name}-error`, run));
+  const tab = readUrl();
+  setKnobs({ batch_size: $("batch_size").value, seq_len: $("seq_len").value });
+  showEngineFields();
+  $("inf-engine").addEventListener("input", showEngineFields);
+  const runs = { plan: runPlan, inf: runInference, check: runCheck, diag: runDiagnose,
+    runs: openRun };
+  for (const [name, run] of Object.entries(runs)) {
+    $(`${name}-run`).addEventListener("click", () => runTask(name, run, { clear: CLEAR[name] }));
   }
+  for (const form of ["plan-form", "inf-form"]) $(form).addEventListener("input", writeUrl);
   $("diag-file").addEventListener("change", async () => {
     const file = $("diag-file").files[0];
     if (file) $("diag-log").value = await file.text();
   });
   scheduleEstimate();
+  if (tab) switchTab(tab);
+  if (tab === "plan") runTask("plan", runPlan, { clear: CLEAR.plan });
+  if (tab === "inference") runTask("inf", runInference, { clear: CLEAR.inf });
 }
 
 start().catch((err) => showError("est-error", err));
