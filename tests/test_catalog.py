@@ -82,8 +82,8 @@ def test_close_names_are_token_aware(text, first):
 
 
 def test_close_names_keep_the_family():
-    # no Gemma 3 4B entry: the family's other size, never a Qwen
-    assert close_names("gemma-3-4b-it") == ["gemma-3-1b-it"]
+    # no Gemma 3 12B entry: the family's other sizes, never a Qwen
+    assert close_names("gemma-3-12b-it") == ["gemma-3-1b-it", "gemma-3-4b-it"]
     assert all("qwen" in name for name in close_names("qwen2.5-8b"))
 
 

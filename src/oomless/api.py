@@ -10,10 +10,27 @@ from typing import Any
 
 from .config import RunConfig
 from .errors import ConfigError
-from .models.catalog import resolve_model
+from .models.catalog import ResolvedModel
+from .models.catalog import resolve_model as _resolve
 from .models.hardware import Cluster, get_gpu
 from .result import MemoryEstimate
 from .units import GiB, fmt_bytes
+
+
+def resolve_model(text: str, trust_remote_code: bool | None = None) -> ResolvedModel:
+    """The one entry from a model argument to its spec: a catalog name or alias, a local
+    config.json or model folder, or a model id in the local Hugging Face cache (offline).
+
+    A family the formulas do not know is read from the model's own code on the meta
+    device (oomless.runtime.meta, registered with oomless.models.structure when imported;
+    the command line imports it); code that ships with the checkpoint runs only with
+    ``trust_remote_code`` (the command line's ``--trust-remote-code``). None keeps the
+    consent given before (the command line's flag)."""
+    if trust_remote_code is not None:
+        from .models.structure import allow_remote_code
+
+        allow_remote_code(trust_remote_code)
+    return _resolve(text)
 
 
 def cluster_for(cfg: RunConfig) -> Cluster | None:

@@ -48,3 +48,8 @@ class CannotTellError(OomlessError):
     """A file whose memory depends on something only running it can tell, or on a
     setting oomless does not understand: the message names it and the option that
     settles it (exit code 2)."""
+
+
+class UnknownFamilyError(ModelConfigError):
+    """A config.json whose model_type the formulas of oomless.models do not know (the
+    model's structure is then read from its own code, oomless.models.structure)."""

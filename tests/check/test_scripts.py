@@ -200,9 +200,15 @@ def test_a_gpu_count_computed_at_run_time_asks_for_gpu_with_a_count(capsys):
     assert "8 GPU" in result.hardware or result.config["hardware"]["gpus_per_node"] == 8
 
 
-def test_a_model_not_in_the_catalog_asks_for_model(capsys):
+def test_a_model_not_in_the_catalog_asks_for_model(capsys, tmp_path):
+    # Qwen/Qwen-7B is a catalog model: the script checks as qwen-7b
     path = str(CORPUS / "qwen/finetune/finetune_lora_single_gpu.sh")
-    assert main(["check", path, "--gpu", "a100-80gb"]) == 2
+    assert main(["check", path, "--gpu", "a100-80gb"]) == 0
+    assert "qwen-7b on" in capsys.readouterr().out
+    other = tmp_path / "finetune_lora_single_gpu.sh"
+    other.write_text(Path(path).read_text().replace('MODEL="Qwen/Qwen-7B"',
+                                                    'MODEL="someorg/NotInTheCatalog-7B"'))
+    assert main(["check", str(other), "--gpu", "a100-80gb"]) == 2
     assert "pass --model" in capsys.readouterr().err
 
 

@@ -79,6 +79,7 @@ class CheckResult:
     refused: list[str] = field(default_factory=list)  # candidate fixes a rule refused
     assumptions: list[str] = field(default_factory=list)
     task: str = "train"  # or what a file that does not train runs (check/tasks.py TASKS)
+    lora_reach: str = ""  # where the LoRA targets land (memory.states.lora_reach)
 
     @property
     def fits(self) -> bool:
@@ -173,9 +174,17 @@ def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: Mod
 def _lora_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> None:
     """Keep the LoRA targets that are linears of the language model's layers (a target
     in the vision tower or the projector is said, not counted)."""
+    from ..errors import CannotTellError
     from ..memory.states import lora_targets
 
     targets = (run.get("lora") or {}).get("targets")
+    if isinstance(targets, str) and targets != "all-linear":
+        raise CannotTellError(
+            f"LoRA target_modules is a regular expression ('{targets}'): PEFT matches it with "
+            "re.fullmatch against every full module name, vision tower included, and oomless "
+            "cannot tell from the file which of "
+            f"{spec.name}'s layers that reaches. Write the module names as a list (e.g. "
+            "[\"q_proj\", \"v_proj\"]) or 'all-linear' to have it checked.")
     if not isinstance(targets, list):
         return
     kept = []
@@ -310,8 +319,9 @@ def _fix(s: _Search) -> tuple[Any, dict[str, str], dict[str, str]]:
 def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
     """The model's spec. A local folder that is not on this machine ('./Qwen2.5-7B-Instruct')
     is read as the catalog model of the same name, with a note."""
+    from ..api import resolve_model
     from ..errors import UnknownModelError
-    from ..models.catalog import find_entry, resolve_model
+    from ..models.catalog import find_entry
 
     named = reading.run.get("model")
     model = opts.model or named
@@ -363,6 +373,7 @@ def check_task(src: Any, task: str, opts: CheckOptions) -> CheckResult:
 
 def check(opts: CheckOptions) -> CheckResult:
     from ..memory.band import band_bytes
+    from ..memory.states import lora_reach
     from ..planner.speed import ASSUMPTIONS
 
     if len(opts.files) == 1:
@@ -398,5 +409,6 @@ def check(opts: CheckOptions) -> CheckResult:
         low_bytes=low, high_bytes=high,
         fix=fix.to_dict() if fix else None, diffs=diffs, new_texts=new_texts,
         notes=reading.notes, warnings=reading.warnings, refused=search_state.refused,
+        lora_reach=lora_reach(spec, cfg),
         assumptions=[*reading.assumptions, *unmodelled_settings(spec, cfg, cluster),
                      *ASSUMPTIONS])

@@ -8,7 +8,11 @@ in the batch) and generates generation_config.max_new_tokens. The 2024
 finetune_demo/finetune.py always enables gradient checkpointing; the 0414
 finetune/finetune.py (configs with ``freezeV``) only when resuming, so there
 the YAML's training_args.gradient_checkpointing decides. ``freezeV`` freezes
-the vision tower of GLM-4V (finetune_vision.py). P-tuning v2
+the vision tower of GLM-4V (finetune_vision.py: ``if ft_config.freezeV`` sets
+requires_grad False on model.transformer.vision after get_peft_model); a YAML
+without the key (the 2024 finetune_demo configs) freezes nothing, so the LoRA
+target_modules decide what of the tower trains (``query_key_value`` is also
+the name of every EVA2-CLIP attention projection). P-tuning v2
 (``peft_type: PREFIX_TUNING``) trains prefix key/values only.
 """
 
@@ -85,7 +89,7 @@ def read_glm4(src: Source, model: str | None) -> Reading:
         "grad_accum": ta.get("gradient_accumulation_steps", 1),
         "seq_len": in_len + out_len + 1, "grad_ckpt": grad_ckpt, "attn": "sdpa",
         "zero": 0, "offload": "none", "eval": {},
-        "vision": {"freeze_tower": bool(d.get("freezeV", True))},
+        "vision": {"freeze_tower": bool(d.get("freezeV", False))},
         "data": {"max_input_length": in_len + 1, "max_output_length": out_len},
     }
     if peft:

@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod in _command_modules():
         mod.register(sub)
+    for command in sub.choices.values():
+        if not any("--trust-remote-code" in a.option_strings for a in command._actions):
+            command.add_argument(
+                "--trust-remote-code", action="store_true",
+                help="a model whose code ships with it (Qwen-1, ChatGLM3, Baichuan2, InternVL, "
+                     "MiniCPM-V, ...) is read by building it on the meta device from its local "
+                     "folder, which runs that code: allow it (nothing is downloaded)")
     return parser
 
 
@@ -85,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from ..models.structure import allow_remote_code
+    from ..runtime import meta  # noqa: F401 - registers the structure reader (no torch import)
+
+    allow_remote_code(getattr(args, "trust_remote_code", False))
     try:
         return int(args.func(args) or 0)
     except OomlessError as err:

@@ -11,12 +11,14 @@ from ..units import fmt_bytes
 from ._render_plan import _value, change_text
 
 
-def read_as(c: dict[str, Any]) -> str:
+def read_as(c: dict[str, Any], lora_reach: str = "") -> str:
+    """The run configuration in one line; ``lora_reach`` (memory.vision.lora_reach) says
+    where the LoRA targets land, vision tower included."""
     parts = [c["method"] + (f"-{c['quantization']['bits']}bit" if c["method"] == "qlora" else "")]
     if c.get("stage", "sft") != "sft":
         parts.append(f"stage {c['stage']}")
     if c["method"] != "full":
-        parts.append(f"r{c['lora']['r']} {_value(c['lora']['targets'])}")
+        parts.append(f"r{c['lora']['r']} " + (lora_reach or _value(c['lora']['targets'])))
     parts += [c["precision"], c["optimizer"],
               f"micro batch {c['micro_batch_size']} × accumulation {c['grad_accum']} × "
               f"{c['hardware']['gpus_per_node'] * c['hardware']['nodes']} GPU(s)",
@@ -59,8 +61,9 @@ def render_check(r: Any, done: list[str] = ()) -> None:  # type: ignore[assignme
               soft_wrap=True)
     for warning in r.warnings:
         out.print(f"[yellow]warning:[/] {esc(warning)}", soft_wrap=True, highlight=False)
-    out.print(f"read as: {read_as(r.config) if r.task == 'train' else r.task + ' (not training)'}",
-              soft_wrap=True)
+    read = (read_as(r.config, getattr(r, "lora_reach", "")) if r.task == "train"
+            else r.task + " (not training)")
+    out.print(f"read as: {read}", soft_wrap=True)
     phases = ", ".join(
         f"{p} {fmt_bytes(v)}" + (" [red]✗[/]" if v > r.gpu_memory_bytes else "")
         for p, v in r.phase_device_bytes.items())

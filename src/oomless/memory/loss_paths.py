@@ -33,7 +33,7 @@ from ..units import GiB
 from . import constants as C
 from .gemma import softcap_logits_bytes
 from .precision import Dtypes
-from .stacks import StackEffects, stack_effects
+from .stacks import LOSS_PATHS, LossPath, StackEffects, stack_effects
 
 # trl kernels/chunked_logprob.py TOKEN_CHUNK_SIZE; trl trainer/utils.py
 # _CHUNKED_LOGPROB_CHUNK_SIZE (vocabulary entries per tile)
@@ -46,9 +46,20 @@ UNSLOTH_BYTES_PER_LOGIT = 16
 UNSLOTH_TARGET_BYTES = 4 * GiB
 
 
-def model_logits_bytes(cfg: RunConfig, dt: Dtypes, fx: StackEffects) -> int:
+def loss_path_of(spec: ModelSpec, fx: StackEffects) -> LossPath:
+    """The loss path the step runs: the model's own (remote code that computes its loss
+    itself, families.json own_loss), else the installed transformers release's."""
+    from ..models.families import own_loss_path
+
+    own = own_loss_path(spec.model_type)
+    return next(p for p in LOSS_PATHS if p.name == own) if own else fx.loss
+
+
+def model_logits_bytes(cfg: RunConfig, dt: Dtypes, fx: StackEffects,
+                       spec: ModelSpec | None = None) -> int:
     """Element size of the logits the model returns."""
-    if fx.loss.model_upcasts or fx.lmhead_fp32_output:
+    path = loss_path_of(spec, fx) if spec is not None else fx.loss
+    if path.model_upcasts or fx.lmhead_fp32_output:
         return 4
     if not dt.autocast and ("lm_head" in fx.fp32_groups or "embeddings" in fx.fp32_groups
                             or dt.act_bytes == 4):
@@ -73,9 +84,9 @@ def logits_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> dict[st
     if fx.fused_loss:
         return _fused(spec, cfg, dt, t, fx.fused_loss)
     v = spec.vocab_size
-    lb = model_logits_bytes(cfg, dt, fx)
+    lb = model_logits_bytes(cfg, dt, fx, spec)
     copy = C.LOSS_FP32_BYTES if lb == 2 else 0
-    shift = C.LOSS_FP32_BYTES if fx.loss.shift_copy else 0
+    shift = C.LOSS_FP32_BYTES if loss_path_of(spec, fx).shift_copy else 0
     kept = lb if fx.keep_outputs else 0
     cast = lm_head_cast_bytes(spec, dt, fx)
     capped = softcap_logits_bytes(spec, lb, t)  # Gemma-2: the tanh output is kept

@@ -289,3 +289,26 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
             "(gradient_as_bucket_view=False, the default)"
         )
     return st
+
+
+def lora_reach(spec: ModelSpec, cfg: RunConfig) -> str:
+    """Where the LoRA targets land, by layer count: "LoRA on 40 language + 63
+    vision-tower layers (query_key_value)" — PEFT matches the names in every module of
+    the model, the vision tower's included ("" for full fine-tuning)."""
+    from .vision import tower_plan
+
+    if cfg.method == "full":
+        return ""
+    targets = cfg.lora.targets
+    try:
+        language = spec.num_layers if lora_targets(spec, targets) else 0
+    except ConfigError:
+        language = 0
+    plan = tower_plan(spec, cfg)
+    names = "all linear layers" if targets == "all-linear" else ", ".join(targets)
+    if plan is None:
+        frozen = " (vision tower frozen)" if spec.vision and cfg.vision.freeze_tower else ""
+        return f"LoRA on {language} language layers ({names}){frozen}"
+    ckpt = "" if spec.vision.checkpointed or not cfg.grad_ckpt else ", tower not checkpointed"
+    return (f"LoRA on {language} language + {spec.vision.num_layers} vision-tower layers "
+            f"({names}{ckpt})")

@@ -134,7 +134,8 @@ def tower_rows(spec: ModelSpec, cfg: RunConfig) -> tuple[int, int]:
 
 def tower_saved_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> dict[str, float]:
     """What a trained tower keeps for backward: all its layers (or, with gradient
-    checkpointing, each layer's input) and one layer's worth for recomputation."""
+    checkpointing of a tower whose code checkpoints — ``VisionSpec.checkpointed`` —
+    each layer's input) and one layer's worth for recomputation."""
     plan = tower_plan(spec, cfg)
     if plan is None:
         return {"layers": 0, "one_layer": 0}
@@ -147,7 +148,7 @@ def tower_saved_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> dict[str, 
         embeddings += dt.act_bytes * rows * 3 * 2 * spec.vision.patch_size**2 \
             if spec.vision.dynamic_resolution else dt.act_bytes * images * 3 * (
                 spec.vision.image_size**2)
-    if cfg.grad_ckpt:
+    if cfg.grad_ckpt and spec.vision.checkpointed:
         layers = tower.num_layers * dt.resid_bytes * rows * tower.hidden_size
     else:
         layers = tower.num_layers * layer
@@ -237,6 +238,9 @@ def vision_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     else:
         out.append(f"LoRA reaches the vision tower ({', '.join(sorted(plan.lora))}): every "
                    "tower layer keeps its activations")
+    if plan is not None and cfg.grad_ckpt and not spec.vision.checkpointed:
+        out.append(f"gradient checkpointing does not reach the {spec.vision.kind} tower (its "
+                   "code has no checkpointing): the tower keeps every layer's activations")
     out.append(f"tower attention: {tower_attn(spec, cfg)}")
     return out
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import UnknownModelError
 from .hf_cache import config_path_for, read_config_file
-from .hf_config import buildable_hf_config, spec_from_hf_config
+from .hf_config import buildable_hf_config, spec_from_hf_config, with_quantization
 from .spec import ModelSpec
 
 
@@ -44,6 +44,10 @@ class CatalogEntry:
     notes: str = ""
     _config_json: str = field(default="{}", repr=False)  # kept as text: the entry stays immutable
     _preprocessor_json: str = field(default="null", repr=False)
+    # the ModelSpec read from the model's own code on the meta device, for families the
+    # formulas do not know (models.json "structure"; scripts/catalog_structure.py writes it
+    # and tests/test_catalog_params.py rebuilds it); "null": the formulas read the config
+    _structure_json: str = field(default="null", repr=False)
 
     @property
     def preprocessor_config(self) -> dict[str, Any] | None:
@@ -121,6 +125,7 @@ def _entries() -> dict[str, CatalogEntry]:
             provenance=item.get("provenance", "transcribed"),
             _config_json=json.dumps(item["config"], sort_keys=True),
             _preprocessor_json=json.dumps(item.get("preprocessor_config")),
+            _structure_json=json.dumps(item.get("structure")),
         )
         if entry.name in out:
             raise ValueError(f"models.json: duplicate name {entry.name}")
@@ -162,7 +167,13 @@ def _index() -> dict[str, str]:
 @lru_cache(maxsize=256)
 def _spec_for(name: str) -> ModelSpec:
     entry = _entries()[name]
-    spec = spec_from_hf_config(entry.config, entry.name, where=f"catalog entry '{entry.name}'")
+    structure = json.loads(entry._structure_json)
+    if structure is not None:  # read from the model's code when the catalog was written
+        spec = with_quantization(ModelSpec.from_dict(structure | {"name": entry.name}),
+                                 entry.config, f"catalog entry '{entry.name}'")
+    else:
+        spec = spec_from_hf_config(entry.config, entry.name,
+                                   where=f"catalog entry '{entry.name}'")
     return replace(spec, aliases=entry.aliases)
 
 
@@ -236,7 +247,7 @@ def resolve_model(text: str) -> ResolvedModel:
     config = read_config_file(path)
     in_cache = not Path(text).expanduser().exists()
     name = text if in_cache else _name_from_path(path)
-    spec = spec_from_hf_config(config, name, where=str(path))
+    spec = spec_from_hf_config(config, name, where=str(path), folder=path.parent)
     return ResolvedModel(
         spec=spec,
         hf_config=buildable_hf_config(config),

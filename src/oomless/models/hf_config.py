@@ -9,27 +9,60 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+from ..errors import UnknownFamilyError
 from . import hf_vision
+from .families import tower_checkpointed
 from .hf_decoder import ConfigFields, chatglm_spec, chatglm_to_glm, decoder_spec
 from .quantization import quant_spec_from_config
 from .spec import ModelSpec
+from .structure import checked_against_code, read_structure
+
+# model types the formulas read whose only implementation is the checkpoint's own code
+# (transformers has no class: Qwen-1 QWenLMHeadModel, Baichuan2 BaichuanForCausalLM)
+REMOTE_CODE_ONLY = frozenset({"qwen", "baichuan"})
 
 __all__ = ["buildable_hf_config", "chatglm_to_glm", "spec_from_hf_config"]
 
 
-def spec_from_hf_config(config: dict[str, Any], name: str, where: str | None = None) -> ModelSpec:
-    """A ModelSpec from a config.json dict. ``where`` (file or catalog entry) goes into errors."""
-    spec = _unquantized_spec(config, name, where)
+def spec_from_hf_config(config: dict[str, Any], name: str, where: str | None = None,
+                        folder: Path | None = None) -> ModelSpec:
+    """A ModelSpec from a config.json dict. ``where`` (file or catalog entry) goes into errors.
+    ``folder``: the user's model folder the config was read from (None for the catalog):
+    a family the formulas do not know is then read from the model's code, and a known one
+    is checked against it (oomless.models.structure)."""
+    try:
+        spec = _unquantized_spec(config, name, where)
+    except UnknownFamilyError as reason:
+        if folder is None:
+            raise
+        spec = read_structure(config, name, folder, where or name, reason)
+    else:
+        if folder is not None:
+            spec = checked_against_code(spec, config, folder, where or name)
+    return with_quantization(spec, config, where or name)
+
+
+def with_quantization(spec: ModelSpec, config: dict[str, Any], where: str) -> ModelSpec:
+    """``spec`` with the checkpoint's quantization_config read (models/quantization.py)."""
     qcfg = config.get("quantization_config") if isinstance(config, dict) else None
     if qcfg is None:
         return spec
-    quant, notes = quant_spec_from_config(qcfg, where or name)
+    quant, notes = quant_spec_from_config(qcfg, where)
     return replace(spec, quantization=quant, assumptions=(*spec.assumptions, *notes))
 
 
 def _unquantized_spec(config: dict[str, Any], name: str, where: str | None) -> ModelSpec:
+    spec = _read_spec(config, name, where)
+    if spec.vision is None:
+        return spec
+    return replace(spec, vision=replace(
+        spec.vision, checkpointed=tower_checkpointed(spec.vision.kind)))
+
+
+def _read_spec(config: dict[str, Any], name: str, where: str | None) -> ModelSpec:
     f = ConfigFields(config, where or name)
     model_type = str(f.need("model_type"))
     if model_type == "chatglm":
@@ -60,6 +93,8 @@ def buildable_hf_config(config: dict[str, Any]) -> dict[str, Any] | None:
     model_type = str(config.get("model_type", ""))
     if model_type == "chatglm":
         return None if config.get("vision_config") else chatglm_to_glm(config)
+    if model_type in REMOTE_CODE_ONLY:
+        return None
     if model_type.startswith("moe_llava") or model_type.startswith("llava_"):
         return None
     if model_type == "llava" and config.get("text_config") is None:

@@ -8,8 +8,9 @@ fields are checked against transformers' meta-device models for every catalog
 entry (tests/test_catalog_params.py).
 
 Families: dense decoders (llama, mistral, qwen2, qwen3, gemma, gemma2, phi,
-phi3, glm, glm4, gemma3_text; other model types are read as llama-style decoders and say
-so in ``ModelSpec.assumptions``), mixture-of-experts (mixtral, qwen2_moe,
+phi3, glm, glm4, gemma3_text, and the remote-code qwen (Qwen-1) and baichuan read as data;
+any other model type raises UnknownFamilyError and is read
+from its own code, oomless.models.structure), mixture-of-experts (mixtral, qwen2_moe,
 qwen3_moe) and ChatGLM/GLM-4 (``chatglm``). Vision towers are read in
 :mod:`oomless.models.hf_vision`; :mod:`oomless.models.hf_config` picks the reader.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..errors import ModelConfigError
+from ..errors import ModelConfigError, UnknownFamilyError
 from .spec import ModelSpec
 
 # ---- values a config.json may hold --------------------------------------------------
@@ -146,6 +147,12 @@ _FAMILY: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"tie": False, "qk_norm": True},
     # Glm4MoeAttention: q/k/v bias = attention_bias, o_proj none; q_norm/k_norm when use_qk_norm
     "glm4_moe": {"tie": False, "bias": "qkv"},
+    # remote code, read as data (their code is not run): Qwen-1 modeling_qwen.py QWenAttention
+    # c_attn hidden -> 3 x hidden with bias, c_proj without (no_bias); QWenMLP w1/w2 of
+    # intermediate_size // 2 each and c_proj back (config.intermediate_size is their sum)
+    "qwen": {"tie": False, "fused_qkv": True, "bias": "qkv_always", "half_width": True},
+    # Baichuan2 modeling_baichuan.py: W_pack hidden -> 3 x hidden, no biases; NormHead lm_head
+    "baichuan": {"tie": False, "fused_qkv": True},
 }
 
 def _dtype(f: ConfigFields) -> str:
@@ -242,11 +249,9 @@ def decoder_spec(f: ConfigFields, name: str, model_type: str | None = None) -> M
     fam = _FAMILY.get(model_type)
     notes = []
     if fam is None:
-        fam = {"tie": False}
-        notes.append(
-            f"model_type '{model_type}' is not a family oomless knows; read as a llama-style "
-            "decoder (gated MLP, RMSNorm, 2 norms per layer, no biases unless attention_bias)"
-        )
+        raise UnknownFamilyError(
+            f"{f.where}: model_type '{model_type}' is not a family the formulas of oomless "
+            f"know ({', '.join(sorted(_FAMILY))}, chatglm and the vision families).")
     if f.config.get("num_key_value_heads") is None:
         notes.append("num_key_value_heads not set: multi-head attention (as transformers defaults)")
     num_layers = int(f.need("num_hidden_layers"))
@@ -260,8 +265,8 @@ def decoder_spec(f: ConfigFields, name: str, model_type: str | None = None) -> M
         vocab_size=int(f.need("vocab_size")),
         hidden_size=int(f.need("hidden_size")),
         num_layers=num_layers,
-        # dense MLP width; Mixtral: each expert's width
-        intermediate_size=int(f.need("intermediate_size")),
+        # dense MLP width; Mixtral: each expert's width; Qwen-1: half of the config's
+        intermediate_size=int(f.need("intermediate_size")) // (2 if fam.get("half_width") else 1),
         mlp_gated=not fam.get("plain_mlp", False),
         hidden_act=str(f.get("hidden_act") or f.get("hidden_activation") or "silu"),
         fused_gate_up=fam.get("fused_gate_up", False),

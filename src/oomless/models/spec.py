@@ -70,6 +70,9 @@ class VisionSpec:
     fused_qkv: bool = True  # CLIP: separate q/k/v projections
     class_token: bool = False  # CLIP, EVA2-CLIP: a class token before the patches
     merge_size: int = 1  # Qwen2-VL: 2×2 patches merge into one language-model token
+    # the tower's layers checkpoint when the model's gradient_checkpointing_enable() is
+    # called (families.json vision_towers; GLM-4V's EVA2-CLIP: no)
+    checkpointed: bool = True
 
     @property
     def patches_per_image(self) -> int:

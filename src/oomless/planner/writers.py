@@ -33,16 +33,10 @@ from ..fileio import OutputFolder, refuse_inputs
 from ..knobs import ATTENTIONS, OPTIMIZERS
 from ..memory.inference import EngineRequest, needs_remote_code, smallest_fitting_parallel
 from ..memory.inference import vllm_engine_args as vllm_engine_args_for
+from ..models.families import family_facts
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 
-# LLaMA-Factory chat templates (data/template.py) by catalog family; by name first
-LF_TEMPLATE_BY_NAME = {"glm-4v-9b": "glm4v", "deepseek-r1-distill-qwen-7b": "deepseekr1",
-                       "phi-4": "phi4"}
-LF_TEMPLATE_BY_FAMILY = {"glm4": "glm4", "qwen2.5": "qwen", "qwen2-moe": "qwen",
-                         "qwen2.5-vl": "qwen2_vl", "qwen3": "qwen3", "llama2": "llama2",
-                         "llama3": "llama3", "mistral": "mistral", "mixtral": "mistral",
-                         "gemma2": "gemma2", "phi3": "phi", "llava": "llava"}
 DEFAULT_MAX_NEW_TOKENS = 512  # inference length when the plan has no generation setting
 DATA_PLACEHOLDER = "YOUR_TRAINING_DATA.jsonl"  # written when `plan` got no --data
 
@@ -156,8 +150,19 @@ def accelerate_config(cfg: RunConfig, deepspeed_path: str | None) -> dict[str, A
     return out
 
 
-def lf_template(spec: ModelSpec, family: str) -> str:
-    return LF_TEMPLATE_BY_NAME.get(spec.name) or LF_TEMPLATE_BY_FAMILY.get(family, "default")
+def lf_template(family: str) -> tuple[str | None, str]:
+    """(LLaMA-Factory ``template``, note): the family's row of families.json; None with
+    the reason where no template is right (LLaMA-Factory then reads the tokenizer's own
+    chat template, data/template.py get_template_and_fix_tokenizer)."""
+    facts = family_facts(family)
+    if facts is None:
+        return None, ("llamafactory.yaml names no `template`: the model is not in oomless's "
+                      "catalog, so its chat template is not known here; LLaMA-Factory then "
+                      "parses the tokenizer's chat template — set `template` if your data "
+                      "needs another")
+    if facts.llamafactory_template is None:
+        return None, f"llamafactory.yaml names no `template`: {facts.template_note}"
+    return facts.llamafactory_template, ""
 
 
 def llamafactory_config(cfg: RunConfig, spec: ModelSpec, model_id: str, family: str,
@@ -168,7 +173,7 @@ def llamafactory_config(cfg: RunConfig, spec: ModelSpec, model_id: str, family: 
         "model_name_or_path": model_id, "stage": "sft", "do_train": True,
         "finetuning_type": "full" if cfg.method == "full" else "lora",
         "dataset": Path(cfg.data.train_file).stem if cfg.data.train_file else "my_dataset",
-        "template": lf_template(spec, family),
+        "template": lf_template(family)[0],
         "cutoff_len": cfg.seq_len, "packing": cfg.data.packing,
         "per_device_train_batch_size": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
@@ -179,6 +184,8 @@ def llamafactory_config(cfg: RunConfig, spec: ModelSpec, model_id: str, family: 
         "disable_gradient_checkpointing": not cfg.grad_ckpt,
         "optim": OPTIMIZERS[cfg.optimizer].hf_optim,
     }
+    if lf["template"] is None:
+        del lf["template"]
     if cfg.precision == "pure-bf16":
         lf["pure_bf16"] = True
     else:
@@ -231,7 +238,8 @@ def vllm_engine_args(cfg: RunConfig, spec: ModelSpec, cluster: Cluster,
     return args
 
 
-def readme(cfg: RunConfig, files: list[str], placeholder: bool, steps: int | None) -> str:
+def readme(cfg: RunConfig, files: list[str], placeholder: bool, steps: int | None,
+           family: str = "") -> str:
     """What the folder holds and the next commands."""
     lines = ["# The plan's files", "", "| file | for |", "|---|---|"]
     uses = {"oomless.yaml": "`oomless train oomless.yaml` (also `estimate`, `check`)",
@@ -254,6 +262,9 @@ def readme(cfg: RunConfig, files: list[str], placeholder: bool, steps: int | Non
                   "5.14; with a newer transformers write the same fraction as `warmup_steps` "
                   "(there a value below 1 is a ratio), or give `plan` the data so that it writes "
                   "whole warm-up steps.", ""]
+    template_note = lf_template(family)[1]
+    if template_note:
+        lines += [template_note + ".", ""]
     return "\n".join(lines)
 
 
@@ -292,7 +303,7 @@ def write_plan_files(out_dir: str | Path, cfg: RunConfig, spec: ModelSpec, clust
         llamafactory_config(cfg, spec, model_id, family, ds_name), sort_keys=False)
     written["vllm.json"] = json.dumps(vllm_engine_args(cfg, spec, cluster, model_id),
                                       indent=2) + "\n"
-    written["README.md"] = readme(cfg, list(written), data is None, steps)
+    written["README.md"] = readme(cfg, list(written), data is None, steps, family)
     for name in written:
         refuse_inputs(out / name, inputs, "--out")
     folder.prepare(list(written), known=PLAN_FILES)

@@ -1,0 +1,92 @@
+"""The founding story: GLM-4V-9B with GLM-4's 2024 finetune_demo LoRA YAML.
+
+tests/fixtures/real_configs/glm-4/finetune_demo_lora.yaml (THUDM/GLM-4 4daff94,
+finetune_demo/configs/lora.yaml): r 8 on ``query_key_value``, 512 + 512 tokens, no
+``freezeV`` key. It ran out of memory at per_device_train_batch_size 2 on 8× A100-80GB
+and fits at batch 1 on one A100-80GB; GLM-4's README gives 75 GB for GLM-4V LoRA.
+
+Modelled through named mechanisms only:
+- finetune_demo/finetune_vision.py freezes the tower only ``if ft_config.freezeV``
+  (after get_peft_model): without the key nothing is frozen;
+- PEFT matches ``query_key_value`` in every module, and every EVA2-CLIP attention
+  projection has that name: LoRA in all 63 tower layers (memory.states.lora_reach);
+- the tower's code (visual.py) has no gradient checkpointing, while
+  ``gradient_checkpointing_enable()`` reaches GLM's language layers (families.json
+  vision_towers): the tower keeps every layer's activations;
+- ChatGLM's own forward upcasts the logits and copies the shifted ones (families.json
+  own_loss).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from oomless.check.checker import CheckOptions, check, phase_device_bytes
+from oomless.config import RunConfig
+from oomless.models.catalog import resolve_model
+from oomless.models.hardware import parse_gpu_arg
+from oomless.units import GiB
+
+YAML = Path(__file__).parents[1] / "fixtures/real_configs/glm-4/finetune_demo_lora.yaml"
+README_LORA_BYTES = 75e9  # GLM-4 README: "75GB" for GLM-4V-9B LoRA on one A100-80GB
+
+
+@pytest.fixture
+def batch2(tmp_path):
+    path = tmp_path / "lora.yaml"
+    path.write_text(YAML.read_text().replace("per_device_train_batch_size: 1",
+                                             "per_device_train_batch_size: 2"))
+    return path
+
+
+def test_lora_reaches_the_63_tower_layers_and_the_tower_is_not_checkpointed():
+    r = check(CheckOptions(files=(str(YAML),), gpu="a100-80gb", model="glm-4v-9b"))
+    assert r.lora_reach == ("LoRA on 40 language + 63 vision-tower layers "
+                            "(query_key_value, tower not checkpointed)")
+    assert any("does not reach the eva2clip tower" in a for a in r.assumptions) or \
+        r.config["vision"]["freeze_tower"] is False
+
+
+def test_batch_2_on_8_a100_is_predicted_above_the_gpu(batch2):
+    r = check(CheckOptions(files=(str(batch2),), gpu="a100-80gbx8", model="glm-4v-9b"))
+    assert r.exit_code == 1
+    assert r.oom_phase in ("forward", "backward")
+    assert r.device_peak_bytes > r.gpu_memory_bytes
+
+
+def test_freezev_true_keeps_the_tower_out_of_the_graph(tmp_path):
+    path = tmp_path / "lora.yaml"
+    path.write_text(YAML.read_text() + "\nfreezeV: true\n")
+    frozen = check(CheckOptions(files=(str(path),), gpu="a100-80gb", model="glm-4v-9b"))
+    assert "vision tower frozen" in frozen.lora_reach
+    reached = check(CheckOptions(files=(str(YAML),), gpu="a100-80gb", model="glm-4v-9b"))
+    cfg = RunConfig.model_validate(reached.config)
+    spec = resolve_model("glm-4v-9b").spec
+    cluster = parse_gpu_arg("a100-80gb")
+    on = phase_device_bytes(spec, cfg, cluster)["backward"]
+    off = phase_device_bytes(spec, cfg.replace(**{"vision.freeze_tower": True}), cluster)
+    # the 63 layers' activations: at least 63 × (GELU input + q, k, v) of 6401 patches
+    assert on - off["backward"] > 63 * 2 * 6401 * (15360 + 3 * 1792)
+
+
+@pytest.mark.xfail(strict=True, reason="documented miss: batch 1 is predicted at 57.9 GiB "
+                   "(62.2 GB), 17% under the README's 75 GB; the tower, loss and LM are "
+                   "modelled, what else the real run held is not identified")
+def test_batch_1_is_within_15_percent_of_the_readme():
+    r = check(CheckOptions(files=(str(YAML),), gpu="a100-80gb", model="glm-4v-9b"))
+    train_peak = max(r.phase_device_bytes[p] for p in ("forward", "backward"))
+    assert abs(train_peak - README_LORA_BYTES) <= 0.15 * README_LORA_BYTES
+    assert train_peak < 80 * GiB
+
+
+def test_a_regex_target_is_refused_with_what_settles_it(tmp_path, capsys):
+    from oomless.cli import main
+
+    path = tmp_path / "lora.yaml"
+    path.write_text(YAML.read_text().replace('target_modules: ["query_key_value"]',
+                                             'target_modules: ".*query_key_value"'))
+    assert main(["check", str(path), "--model", "glm-4v-9b", "--gpu", "a100-80gb"]) == 2
+    err = capsys.readouterr().err
+    assert "regular expression" in err and "re.fullmatch" in err and "as a list" in err
