@@ -153,7 +153,7 @@ def accelerate_config(cfg: RunConfig, deepspeed_path: str | None) -> dict[str, A
 def lf_template(family: str) -> tuple[str | None, str]:
     """(LLaMA-Factory ``template``, note): the family's row of families.json; None with
     the reason where no template is right (LLaMA-Factory then reads the tokenizer's own
-    chat template, data/template.py get_template_and_fix_tokenizer)."""
+    chat template: LLaMA-Factory data/template.py get_template_and_fix_tokenizer)."""
     facts = family_facts(family)
     if facts is None:
         return None, ("llamafactory.yaml names no `template`: the model is not in oomless's "
