@@ -51,3 +51,22 @@ def test_when_the_method_does_not_fit_the_suggestion_says_so():
     assert not result.plans
     text = " ".join(result.suggestions)
     assert "another method" not in text or "no lora configuration fits" in text
+
+
+def test_a_lora_run_that_fits_four_a100_40gb_stays_lora(tmp_path):
+    """Issue 22: the user's LoRA fits 4x A100-40GB under ZeRO-3, so plan #1 is LoRA, not
+    QLoRA + ZeRO-3 (which the open search ranks faster there: 4-bit weights gather 4x
+    less over the ZeRO-3 all-gathers); the open search says why it changes the method."""
+    from oomless.planner.options import PlanOptions, plan_from_options
+
+    run = tmp_path / "oomless.yaml"
+    run.write_text("model: qwen2.5-14b-instruct\nmethod: lora\nseq_len: 1024\n")
+    kept = plan_from_options(PlanOptions(model=str(run), gpu="a100-40gbx4", effective_batch=8))
+    assert kept.plans and all(p.config["method"] == "lora" for p in kept.plans)
+    assert not any(c["key"] == "method" for c in kept.plans[0].changes)
+
+    opened = _result("qwen2.5-14b-instruct", "a100-40gbx4", method_auto=True)
+    first = opened.plans[0]
+    if first.config["method"] != "lora":
+        why = next(c for c in first.changes if c["key"] == "method")["why"]
+        assert "tokens/s against the best lora plan" in why

@@ -10,6 +10,7 @@ _LABELS = {
     "optimizer": "optimizer states", "gradients": "gradients",
     "grad_partition_fp32": "fp32 grad partitions", "ddp_buckets": "DDP gradient buckets",
     "zero3_gathered": "ZeRO-3 gathered layer", "cublas_workspace": "cuBLAS workspaces",
+    "rope_tables": "RoPE tables (Unsloth, fp32)",
     "activations": "activations", "logits": "logits + loss", "temporaries": "temporaries",
     "kv_cache": "KV cache", "inputs": "image pixels",
     "image_embeddings": "image + text embeddings", "vision_forward": "vision tower forward",

@@ -39,6 +39,7 @@ from .stages import (
     stage_plan,
 )
 from .states import States, fp32_upcast_params, lora_targets, model_states
+from .unsloth_load import unsloth_load_assumptions, unsloth_rope_table_bytes
 from .vision import (
     image_tokens,
     merged_input_bytes,
@@ -316,6 +317,8 @@ def training_phases(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = N
     gpu_state["cublas_workspace"] = C.cublas_workspace_bytes(cap)
     if pixel_bytes(spec, cfg):  # the images' fp32 pixel tensors, on the GPU for the step
         gpu_state["inputs"] = round(pixel_bytes(spec, cfg))
+    if unsloth_rope_table_bytes(spec, cfg):  # Unsloth's per-layer fp32 RoPE tables
+        gpu_state["rope_tables"] = unsloth_rope_table_bytes(spec, cfg)
     ref_params = separate_reference_params(spec, cfg)  # dpo/kto full FT: a frozen copy
     if ref_params:
         gpu_state["reference_model"] = round(ref_params * dt.base_weight_bytes)
@@ -349,6 +352,7 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
             "routing assumed balanced"
         )
     out += moe_lora_assumptions(spec, cfg) + stage_assumptions(spec, cfg)
+    out += unsloth_load_assumptions(spec, cfg)
     if cfg.eval.predict_with_generate:
         out.append("generation: HF generate with a dynamic KV cache in the activation dtype")
     return out
