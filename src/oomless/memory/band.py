@@ -3,8 +3,10 @@
 The band comes from ``benchmarks/published.py``: every row there compares an
 ``oomless estimate`` command with what someone measured on a real GPU. The band uses
 the rows whose counter is known (max_memory_allocated / reserved, vLLM's profiler)
-and the fit limits of real runs (the longest sequence that fitted a card); rows that
-report a monitoring screenshot of unknown meaning are listed but not used. For a
+and the fit limits of real runs (the longest sequence that fitted a card), for a
+configuration known at its peak (``band: true`` in benchmarks/published_rows.yaml); rows
+that report a monitoring screenshot of unknown meaning, or whose peak batch is not
+logged, are listed but not used. For a
 prediction P and a measurement M the relative error is e = P / M − 1, so the true
 value is M = P / (1 + e). Over the rows:
 
