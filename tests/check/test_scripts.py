@@ -8,6 +8,7 @@ provenance is in its README).
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -305,6 +306,75 @@ def test_documented_misses_are_real_files():
                                                ".yaml"),), gpu="rtx-4090", seq_len=2048))
     assert full.verdict == "out_of_memory"  # the miss, as it stands
     assert any("optimizer_in_bwd" in a for a in full.assumptions)
+
+
+# Qwen(1)'s README, "Profiling of Memory and Speed" (QwenLM/Qwen README.md at
+# 03cd81f5e4da6ab60fc8f97f3b8aa1206fdb08a9): finetune.py on one A100-SXM4-80G, batch 1 ×
+# accumulation 8, FlashAttention-2, Qwen-7B; GPU memory in "G" by sequence length. The
+# README does not name its counter: "G" is read as 10^9 bytes. Its script, run as the
+# table was (batch 1, the length; the LoRA row without trainable embeddings is a chat
+# model: finetune.py sets modules_to_save only when the name has no 'chat').
+QWEN_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
+QWEN_README = {  # script, the MODEL it runs, --model (the Int4 GPTQ checkpoint), the row
+    "LoRA": ("finetune_lora_single_gpu.sh", "Qwen/Qwen-7B-Chat", None,
+             (20.1, 20.4, 21.5, 23.8, 29.7, 36.6)),
+    "Q-LoRA": ("finetune_qlora_single_gpu.sh", "Qwen/Qwen-7B-Chat-Int4", "qwen-7b",
+               (11.5, 11.5, 12.3, 13.9, 16.9, 23.5)),
+}
+# Where the published figure lies outside the estimate's band (memory/band.py), as it
+# stands: (row, length) -> which side, and why
+QWEN_MISSES = {
+    ("Q-LoRA", 256): ("under", "the Int4 GPTQ base is sized as bitsandbytes nf4 weights; "
+                      "auto-gptq's own buffers are not modelled"),
+    ("Q-LoRA", 8192): ("over", "the activations grow faster with the length than measured "
+                       "(LoRA's row agrees at 8192, Q-LoRA's does not): not explained yet"),
+}
+MISSES["qwen/finetune (Qwen README)"] = "; ".join(
+    f"{row} {n} tokens: estimate {side} the band ({why})"
+    for (row, n), (side, why) in QWEN_MISSES.items())
+
+
+def _qwen_as_profiled(tmp_path: Path, row: str, length: int):
+    script, model_id, model, _ = QWEN_README[row]
+    shutil.copytree(CORPUS / "qwen", tmp_path / "qwen", dirs_exist_ok=True)
+    path = tmp_path / "qwen" / "finetune" / script
+    text = path.read_text()
+    for old, new in (("--per_device_train_batch_size 2", "--per_device_train_batch_size 1"),
+                     ("--model_max_length 512", f"--model_max_length {length}")):
+        assert old in text
+        text = text.replace(old, new)
+    text = re.sub(r'^MODEL="[^"]+"', f'MODEL="{model_id}"', text, count=1, flags=re.M)
+    path.write_text(text)
+    return check(CheckOptions(files=(str(path),), gpu="a100-80gb", model=model))
+
+
+@pytest.mark.parametrize("row", sorted(QWEN_README))
+def test_qwen_scripts_against_the_memory_table_of_qwens_readme(row, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # finetune/ds_config_zero2.json from the repository root
+    published = QWEN_README[row][3]
+    for length, gb in zip(QWEN_LENGTHS, published, strict=True):
+        result = _qwen_as_profiled(tmp_path / str(length), row, length)
+        assert result.config["micro_batch_size"] == 1 and result.config["seq_len"] == length
+        assert result.verdict == "fits"  # it ran on the 80 GB card
+        measured = gb * 1e9
+        side = ("under" if measured > result.high_bytes else
+                "over" if measured < result.low_bytes else "in")
+        assert side == QWEN_MISSES.get((row, length), ("in",))[0], (
+            row, length, result.device_peak_bytes / 1e9, gb)
+
+
+def test_qwen_lora_on_a_base_model_says_the_embeddings_it_does_not_count():
+    """finetune_lora_single_gpu.sh runs Qwen/Qwen-7B (no 'chat'): finetune.py trains wte and
+    lm_head too, the README's "LoRA (emb)" row (34.1 G at 512 tokens, batch 1); the estimate
+    does not count them (a documented miss, said in its assumptions)."""
+    result = check(CheckOptions(files=(str(CORPUS / "qwen/finetune/finetune_lora_single_gpu.sh"),),
+                                gpu="a100-80gb"))
+    assert result.model == "qwen-7b"
+    assert any("modules_to_save" in a and "not counted" in a for a in result.assumptions)
+    assert result.high_bytes < 34.1e9  # the miss, as it stands (batch 2 here, 1 there)
+    chat = check(CheckOptions(files=(str(CORPUS / "qwen/finetune/finetune_lora_single_gpu.sh"),),
+                              gpu="a100-80gb", model="qwen-7b-chat"))
+    assert not any("modules_to_save" in a for a in chat.assumptions)
 
 
 @pytest.mark.parametrize("name,model", [

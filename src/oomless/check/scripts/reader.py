@@ -26,7 +26,7 @@ from ..sources import Reading, Source, knob_set, load_source
 from . import flags as F
 from .decide import cannot_tell, gpu_count
 from .launchers import find_file
-from .methods import method_of, precision_of, unmodelled, zero_of
+from .methods import method_of, precision_of, saved_modules, unmodelled, zero_of
 
 TRAINING_ARGUMENTS_BATCH = 8  # TrainingArguments.per_device_train_batch_size default
 # LLaMA-Factory's entry scripts (src/train_bash.py in 0.5-0.6, src/train.py after)
@@ -205,6 +205,7 @@ def _run(s: dict[str, F.Setting], tool: str | None, src: Source, model: str | No
                           "--model_name_or_path or the tool's own flag): pass --model")
     pre_quantized_note(str(name), r)
     method, extra = method_of(s, tool, src, r)
+    saved_modules(str(name), method, tool, r)
     unmodelled(s, src, r)
     zero, offload = zero_of(s, tool, src, r)
     length = s.get("seq_len")
