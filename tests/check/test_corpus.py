@@ -188,6 +188,12 @@ def _copy(tmp_path: Path, names: tuple[str, ...]) -> list[Path]:
 @pytest.mark.parametrize("names", sorted(CASES), ids=lambda n: "+".join(n))
 def test_corpus_file_is_read_and_its_fix_applies(names, tmp_path, monkeypatch, capsys):
     gpu, extra = CASES[names]
+    _check_and_patch(names, gpu, extra, tmp_path, monkeypatch, capsys)
+
+
+def _check_and_patch(names, gpu, extra, tmp_path, monkeypatch, capsys) -> str:
+    """`oomless check` of the files, its printed fix applied with patch -p1 and checked
+    again (it must fit); the printed diff ('' when there is none)."""
     paths = _copy(tmp_path, names)
     monkeypatch.chdir(tmp_path)
     argv = ["check", *map(str, paths), "--gpu", gpu]
@@ -197,14 +203,14 @@ def test_corpus_file_is_read_and_its_fix_applies(names, tmp_path, monkeypatch, c
     out = capsys.readouterr()
     if _auto_batch_alone(names):
         assert rc == 2 and "can't tell" in out.err and '"auto"' in out.err
-        return
+        return ""
     assert rc in (0, 1), out.err
     opts = CheckOptions(files=tuple(map(str, paths)), gpu=gpu, **extra)
     result = check(opts)
     assert rc == result.exit_code
     if not result.diffs:
         assert rc == 0 or result.fix is None
-        return
+        return ""
     patch = tmp_path / "fix.patch"
     patch.write_text(out.out)  # what `oomless check X > fix.patch` writes
     applied = subprocess.run(["patch", "-p1", "--batch", "-i", str(patch)], cwd=tmp_path,
@@ -212,6 +218,31 @@ def test_corpus_file_is_read_and_its_fix_applies(names, tmp_path, monkeypatch, c
     assert applied.returncode == 0, applied.stdout + applied.stderr
     after = check(opts)
     assert after.within_budget and after.exit_code == 0, (result.fix["changes"], after.notes)
+    return out.out
+
+
+# Fixes of launch scripts in the script's own terms, on a card where the file as published
+# does not fit: the ${VAR:-N} default a computed batch is made from (the $((...)) itself
+# is never written over), the ZeRO stage where the script sets it, DeepSpeed-Chat's bare
+# --offload flag; the lines the fix must add
+SCRIPT_FIXES: dict[str, tuple[str, dict, tuple[str, ...]]] = {
+    f"{INTERNVL}/internvl2_5_1b_dynamic_res_2nd_finetune_lora.sh": (
+        "a100-40gb", {"model": "qwen2.5-0.5b-instruct"},
+        ("+PER_DEVICE_BATCH_SIZE=${PER_DEVICE_BATCH_SIZE:-1}",)),
+    "deepspeed-chat/run_llama2_7b.sh": ("a100-40gb x2", {}, ("+    --offload \\",)),
+    "deepspeed-chat/opt_single_gpu_run_1.3b.sh": (
+        "rtx-3060", {"model": "qwen2.5-1.5b-instruct"},
+        ("+    ZERO_STAGE=3", "+    --offload &> $OUTPUT/training.log")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPT_FIXES))
+def test_script_fixes_edit_defaults_zero_and_offload_flags(name, tmp_path, monkeypatch, capsys):
+    gpu, extra, lines = SCRIPT_FIXES[name]
+    diff = _check_and_patch((name,), gpu, extra, tmp_path, monkeypatch, capsys)
+    added = [x for x in diff.splitlines() if x.startswith("+") and not x.startswith("+++")]
+    assert set(lines) <= set(added), added
+    assert not any("$((" in x for x in diff.splitlines() if x[:1] in "+-"), diff
 
 
 @pytest.mark.parametrize("name,model", [

@@ -56,6 +56,17 @@ def test_an_if_on_a_missing_argument_takes_its_default():
     assert s.commands[-1].argv[-1].span is not None  # the literal 3 a fix would edit
 
 
+def test_a_default_that_is_used_keeps_the_span_of_its_literal():
+    text = 'PER=${PER:-4}\nexport N=${N:=16}\nACC=$((N / PER))\nrun --bs $PER --n ${N} --acc $ACC\n'
+    s = _shell(text)
+    argv = s.commands[-1].argv
+    assert [w.value for w in argv] == ["run", "--bs", "4", "--n", "16", "--acc", "4"]
+    (a, b), (c, d) = argv[2].span, argv[4].span
+    assert (text[a:b], text[c:d]) == ("4", "16") and text[a - 2:a] == ":-"
+    assert argv[6].span is None  # computed: a fix edits its inputs, never the expression
+    assert _shell("PER=${PER:-$X}\nrun $PER\n").commands[-1].argv[-1].span is None
+
+
 def test_a_test_it_cannot_decide_makes_the_variable_unknown():
     s = _shell('if [ -f /etc/x ]; then B=1; else B=2; fi\nrun $B\n')
     assert isinstance(_argv(s)[-1], Unknown)
@@ -156,6 +167,9 @@ def test_every_tool_row_is_sourced():
         assert set(row["marks"]) <= F.flags_of(tool) | set(row.get("known", ())), tool
         for key in row["defaults"]:
             assert F.meaning_of(key, tool) is not None or key in row.get("known", ()), (tool, key)
+        if "bare_flags" in row:  # store_true flags a fix adds alone: flags of the tool
+            assert "store_true" in row["bare_flags_from"], tool
+            assert set(row["bare_flags"]) <= F.flags_of(tool) | set(row.get("known", ())), tool
 
 
 # ---- "can't tell" ---------------------------------------------------------------------------
@@ -243,6 +257,28 @@ def test_deepspeed_chat_only_optimize_lora_freezes_the_base(tmp_path):
     assert run["method"] == "lora" and run["lora"]["r"] == 16
     assert (run["zero"], run["offload"], run["seq_len"]) == (2, "optimizer", 512)
     assert run["hardware"]["gpus_per_node"] == 2
+
+
+def test_openrlhf_fix_sets_the_stage_and_adds_the_bare_offload_flag(tmp_path):
+    path = _script(tmp_path, "deepspeed --module openrlhf.cli.train_sft \\\n"
+                   "   --pretrain Qwen/Qwen2.5-7B --max_len 2048 \\\n   --zero_stage 2 \\\n"
+                   "   --train_batch_size 64 --micro_train_batch_size 2 \\\n"
+                   "   --bf16 --flash_attn --gradient_checkpointing\n")
+    result = check(CheckOptions(files=(path,), gpu="rtx-4090 x8"))
+    assert result.verdict == "out_of_memory"
+    new = result.new_texts[path]
+    assert "--zero_stage 3 " in new and new.rstrip().endswith("--adam_offload")
+    Path(path).write_text(new)
+    after = check(CheckOptions(files=(path,), gpu="rtx-4090 x8"))
+    assert (after.config["zero"], after.config["offload"]) == (3, "optimizer")
+    assert after.within_budget
+
+
+def test_a_flag_in_a_heredoc_is_not_written_over_and_the_change_is_not_proposed():
+    result = check(CheckOptions(files=(str(CORPUS / "openrlhf/train_sft_llama.sh"),),
+                                gpu="a100-40gb x8"))
+    assert result.verdict != "fits" and not result.diffs
+    assert any("cannot say it as written" in r for r in result.refused)
 
 
 def test_openrlhf_old_and_dotted_flags():

@@ -144,8 +144,8 @@ def _literal_span(text: str, start: int, end: int, parts: list[Any],
         if not any(q in raw for q in "'\"\\"):
             return (start, end)
         return None
-    if var is not None and len(parts) == 1 and re.fullmatch(
-            r"\"?\$\{?[A-Za-z_]\w*\}?\"?", raw):
+    if var is not None and len(parts) == 1 and re.fullmatch(  # $N, ${N}, ${N:-4}
+            r"\"?\$\{?[A-Za-z_]\w*(?::?[-=][\w.+-]+)?\}?\"?", raw):
         return var.span
     return None
 
