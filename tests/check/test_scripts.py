@@ -274,6 +274,34 @@ def test_openrlhf_fix_sets_the_stage_and_adds_the_bare_offload_flag(tmp_path):
     assert after.within_budget
 
 
+_ACCELERATE_SFT = ("accelerate launch {opts}--config_file {config} sft.py \\\n"
+                   "    --model_name_or_path Qwen/Qwen2.5-7B --max_length 4096 \\\n"
+                   "    --per_device_train_batch_size 8 --gradient_accumulation_steps 1 \\\n"
+                   "    --bf16 True --gradient_checkpointing True\n")
+
+
+def test_accelerate_launch_reads_the_config_file_the_script_names(tmp_path, monkeypatch):
+    (tmp_path / "zero3.yaml").write_text((CORPUS / "trl/deepspeed_zero3.yaml").read_text())
+    (tmp_path / "fsdp.yaml").write_text((CORPUS / "alignment-handbook/fsdp.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    path = _script(tmp_path, _ACCELERATE_SFT.format(opts="", config="zero3.yaml"))
+    run = read_files(CheckOptions(files=(path,))).run
+    assert (run["zero"], run["offload"], run["hardware"]["gpus_per_node"]) == (3, "none", 8)
+    result = check(CheckOptions(files=(path,), gpu="a100-40gb"))
+    assert result.verdict == "out_of_memory" and set(result.new_texts) == {
+        path, str(tmp_path / "zero3.yaml")}  # the accelerate config's accumulation too
+    for file, text in result.new_texts.items():
+        Path(file).write_text(text)
+    assert check(CheckOptions(files=(path,), gpu="a100-40gb")).within_budget
+    two = _script(tmp_path, _ACCELERATE_SFT.format(opts="--num_processes 2 ", config="fsdp.yaml"))
+    reading = read_files(CheckOptions(files=(two,)))
+    assert reading.run["hardware"]["gpus_per_node"] == 2  # the launcher's flag wins
+    assert reading.run["zero"] == 3 and any("FSDP" in a for a in reading.assumptions)
+    missing = _script(tmp_path, _ACCELERATE_SFT.format(opts="", config="nowhere.yaml"))
+    with pytest.raises(ConfigError, match="accelerate config 'nowhere.yaml'"):
+        read_files(CheckOptions(files=(missing,)))
+
+
 def test_a_flag_in_a_heredoc_is_not_written_over_and_the_change_is_not_proposed():
     result = check(CheckOptions(files=(str(CORPUS / "openrlhf/train_sft_llama.sh"),),
                                 gpu="a100-40gb x8"))

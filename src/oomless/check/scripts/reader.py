@@ -164,6 +164,7 @@ def read_by_meaning(src: Source, model: str | None, json_tool: str | None = None
     if launch:
         gpu_count(src, r)
         _environment(src, tool, s, r)
+        accelerate_config(src, r)
     if "image_max_pixels" in s and isinstance(s["image_max_pixels"].value, int):
         r.facts["image_max_pixels"] = s["image_max_pixels"].value
     _batch(s, run, r)
@@ -178,6 +179,41 @@ def read_by_meaning(src: Source, model: str | None, json_tool: str | None = None
                            "script computes from, and proposes only a batch the script's own "
                            "arithmetic then gives")
     return r
+
+
+def accelerate_config(src: Source, r: Reading) -> None:
+    """``accelerate launch --config_file X.yaml``: the accelerate config the script names,
+    read as check reads it as a second file (readers_trl.apply_accelerate: processes,
+    mixed precision, the DeepSpeed or FSDP plugin); a fix of the sharding edits it. The
+    launcher's own ``--num_processes`` wins over the file's, as in accelerate."""
+    launch = src.command.launch
+    if launch.launcher != "accelerate launch":
+        return
+    word = launch.launcher_args.get("config_file") or launch.launcher_args.get("config-file")
+    if word is None:
+        return
+    where = f"{src.path}:{launch.command.line}"
+    if not isinstance(word.value, str):
+        cannot_tell(r, f"--config_file {word.value.describe()}", where,
+                    {"topic": "the accelerate config (GPU count, sharding)",
+                     "settles": "checking the script with its accelerate config as a second "
+                                "file"})
+        return
+    found = find_file(word.value, src.path)
+    if found is None:
+        raise ConfigError(f"{where}: the accelerate config '{word.value}' is not in the "
+                          "working directory, next to the script or in its parent folders: "
+                          "run check from the repository root, or give the config as a second "
+                          "file")
+    from ..readers_trl import apply_accelerate
+
+    count = (r.run.get("hardware") or {}).get("gpus_per_node") if isinstance(
+        launch.gpus, int) else None
+    apply_accelerate(load_source(str(found), "accelerate"), r)
+    if count:
+        r.run["hardware"]["gpus_per_node"] = count
+    r.notes.append(f"{where}: the accelerate config {found} (processes, mixed precision, "
+                   "sharding)")
 
 
 def _environment(src: Source, tool: str | None, s: dict[str, F.Setting], r: Reading) -> None:
