@@ -259,6 +259,31 @@ def test_deepspeed_chat_only_optimize_lora_freezes_the_base(tmp_path):
     assert run["hardware"]["gpus_per_node"] == 2
 
 
+def test_openrlhf_stage_comes_from_its_module_and_an_unmapped_one_cannot_be_told(tmp_path):
+    for name, stage in (("train_sft.sh", "sft"), ("train_rm_llama.sh", "rm"),
+                        ("train_dpo_llama.sh", "dpo"), ("train_kto_llama.sh", "kto")):
+        assert _run(f"openrlhf/{name}", model="meta-llama-3-8b-instruct")["stage"] == stage
+    rm = check(CheckOptions(files=(str(CORPUS / "openrlhf/train_rm_llama.sh"),),
+                            gpu="a100-80gb x8", model="meta-llama-3-8b-instruct"))
+    assert rm.config["stage"] == "rm" and rm.verdict == "fits"  # the 8 GPUs it was written for
+    ppo = _script(tmp_path, "deepspeed --module openrlhf.cli.train_ppo --pretrain "
+                  "Qwen/Qwen2.5-7B --max_len 2048 --zero_stage 2 --bf16\n")
+    with pytest.raises(CannotTellError, match="training stage: the module openrlhf.cli.train_ppo"):
+        check(CheckOptions(files=(ppo,), gpu="a100-80gb x8"))
+
+
+def test_llamafactory_cli_with_its_arguments_as_flags_is_read_by_its_own_reader():
+    path = str(CORPUS / "llama-factory-sh/qwen3_lora_sft.sh")
+    with pytest.raises(CannotTellError, match="GPU count"):
+        check(CheckOptions(files=(path,), gpu="rtx-4090"))
+    result = check(CheckOptions(files=(path,), gpu="rtx-4090 x1"))
+    cfg = result.config
+    assert result.model == "qwen3-4b-instruct-2507" and result.label == "LLaMA-Factory command line"
+    assert (cfg["method"], cfg["lora"]["r"], cfg["seq_len"], cfg["precision"]) == (
+        "lora", 8, 2048, "bf16")
+    assert (cfg["micro_batch_size"], cfg["grad_accum"]) == (1, 8)
+
+
 def test_openrlhf_fix_sets_the_stage_and_adds_the_bare_offload_flag(tmp_path):
     path = _script(tmp_path, "deepspeed --module openrlhf.cli.train_sft \\\n"
                    "   --pretrain Qwen/Qwen2.5-7B --max_len 2048 \\\n   --zero_stage 2 \\\n"

@@ -64,7 +64,9 @@ def read_script(src: Source, model: str | None) -> Reading:
 
 def _lf_command_line(src: Source, model: str | None) -> Reading:
     """LLaMA-Factory arguments on the command line (``python src/train_bash.py --stage sft
-    --finetuning_type lora ...``, LLaMA-Factory 0.5-0.6): its YAML reader on the flags; a fix
+    --finetuning_type lora ...`` of 0.5-0.6, ``llamafactory-cli train --stage sft ...`` of
+    the newer examples: read_args parses them with HfArgumentParser when no YAML is given):
+    its YAML reader on the flags; a fix
     changes only the batch, checkpointing and the evaluation batch (flags taking a value)."""
     from ..readers_lf import read_llamafactory
 
@@ -82,6 +84,9 @@ def _delegate(src: Source, model: str | None) -> Reading:
     launch = src.command.launch
     names = [w.value for w in launch.args if isinstance(w.value, str)]
     ref = next((n for n in names if n.endswith((".yaml", ".yml", ".json"))), None)
+    if ref is None and launch.launcher.startswith(("llamafactory-cli", "lmf")) and {
+            "stage", "finetuning_type"} & set(src.data):
+        return _lf_command_line(src, model)  # its HfArgumentParser reads the flags too
     if ref is None:
         raise ConfigError(f"{src.path}:{launch.command.line}: `{launch.launcher}` without a "
                           "configuration file; check the YAML it should name")
@@ -261,7 +266,7 @@ def _run(s: dict[str, F.Setting], tool: str | None, src: Source, model: str | No
     flash = bool(attn and (attn.value is True or "flash" in str(attn.value)))
     micro = s["micro_batch"].value if "micro_batch" in s else TRAINING_ARGUMENTS_BATCH
     run: dict[str, Any] = {
-        "model": str(name), "method": method, "stage": "sft",
+        "model": str(name), "method": method, "stage": _stage(tool, src, r),
         "stack": (F.TOOLS[tool]["stack"] if tool else "hf-trainer"),
         "precision": precision_of(s, method, r), "micro_batch_size": micro,
         "grad_accum": s["grad_accum"].value if "grad_accum" in s else 1,
@@ -275,6 +280,22 @@ def _run(s: dict[str, F.Setting], tool: str | None, src: Source, model: str | No
     if s.get("packing") and s["packing"].value is True:
         run["data"] = {**run.get("data", {}), "packing": True}
     return run
+
+
+def _stage(tool: str | None, src: Source, r: Reading) -> str:
+    """The training stage: the tool's table maps its entry points (OpenRLHF's
+    openrlhf.cli.train_rm / train_dpo / train_kto); an entry point it does not map is not
+    read as SFT: check cannot tell."""
+    stages = F.TOOLS[tool].get("stages") if tool else None
+    program = src.command.launch.program if src.command else ""
+    if not stages:
+        return "sft"
+    if program in stages:
+        return stages[program]
+    cannot_tell(r, f"the module {program}", str(src.path), {
+        "topic": "the training stage",
+        "settles": "a module whose stage oomless models (" + ", ".join(sorted(stages)) + ")"})
+    return "sft"
 
 
 def _batch(s: dict[str, F.Setting], run: dict[str, Any], r: Reading) -> None:
