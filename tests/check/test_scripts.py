@@ -466,6 +466,29 @@ def test_qwen_lora_on_a_base_model_says_the_embeddings_it_does_not_count():
     assert not any("modules_to_save" in a for a in chat.assumptions)
 
 
+def test_axolotl_gpt_oss_lora_against_the_memory_of_its_readme(tmp_path):
+    """axolotl examples/gpt-oss/README.md (at 30bef60fc403d4b6187515e1ceae75bd67cb7df4):
+    "LoRA SFT linear layers (1x48GB @ ~44GiB)", torch's reserved memory from its logs. The
+    config offloads the checkpointed activations and computes the loss with Cut
+    Cross-Entropy (no logits); both are read, and both lower the estimate."""
+    text = (CORPUS / "axolotl/gpt-oss-20b-sft-lora-singlegpu.yaml").read_text()
+    path = tmp_path / "gpt-oss.yaml"
+    path.write_text(text)
+    result = check(CheckOptions(files=(str(path),), gpu="l40s"))
+    opts = result.config["stack_options"]
+    assert opts["offload_checkpoints"] and opts["cut_cross_entropy"]
+    assert result.low_bytes <= 44 * 2**30 <= result.high_bytes  # the README's ~44 GiB
+    assert result.verdict != "out_of_memory"  # it ran on a 48 GB card
+    for line in ("activation_offloading: true", "  - axolotl.integrations.cut_cross_entropy."
+                 "CutCrossEntropyPlugin"):
+        assert line in text
+        path.write_text(path.read_text().replace(line + "\n", ""))
+        bigger = check(CheckOptions(files=(str(path),), gpu="l40s"))
+        assert bigger.device_peak_bytes > result.device_peak_bytes
+        result = bigger
+    assert result.verdict == "out_of_memory"  # what check said before reading them
+
+
 @pytest.mark.parametrize("name,model", [
     ("unsloth/Qwen2.5_(7B)-Alpaca.py", "qwen2.5-7b-instruct"),
     ("unsloth/Llama3.1_(8B)-Alpaca.py", "llama-3.1-8b-instruct"),
