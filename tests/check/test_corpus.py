@@ -68,6 +68,7 @@ FILES: dict[str, tuple[str, dict]] = {
     "llama-factory/qwen2vl_full_sft.yaml": ("a100-80gb x8", {}),
     "llama-factory/qwen3_lora_sft.yaml": ("rtx-4090", {}),
     "llama-factory/qwen3_full_sft.yaml": ("a100-80gb x8", {}),
+    "llama-factory/qwen3_lora_dpo.yaml": ("rtx-4090", {}),
     "llama-factory/ds_z2_config.json": ("a100-80gb x8", JSON_ALONE),
     "llama-factory/ds_z3_config.json": ("a100-80gb x8", JSON_ALONE),
     "llama-factory/ds_z3_offload_config.json": ("a100-80gb x8", JSON_ALONE),
