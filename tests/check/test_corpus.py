@@ -238,6 +238,10 @@ SCRIPT_FIXES: dict[str, tuple[str, dict, tuple[str, ...]]] = {
     "deepspeed-chat/opt_single_gpu_run_1.3b.sh": (
         "rtx-3060", {"model": "qwen2.5-1.5b-instruct"},
         ("+    ZERO_STAGE=3", "+    --offload &> $OUTPUT/training.log")),
+    # OpenRLHF: flags in a literal heredoc, edited where the body writes them
+    "openrlhf/train_sft.sh": ("rtx-4090 x8", {}, ("+   --ds.zero_stage 3 \\",
+                                                  "+    --ds.adam_offload")),
+    "openrlhf/train_sft_llama.sh": ("a100-40gb x8", {}, ("+   --micro_train_batch_size 1 \\",)),
 }
 
 

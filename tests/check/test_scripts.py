@@ -327,11 +327,29 @@ def test_accelerate_launch_reads_the_config_file_the_script_names(tmp_path, monk
         read_files(CheckOptions(files=(missing,)))
 
 
-def test_a_flag_in_a_heredoc_is_not_written_over_and_the_change_is_not_proposed():
-    result = check(CheckOptions(files=(str(CORPUS / "openrlhf/train_sft_llama.sh"),),
-                                gpu="a100-40gb x8"))
-    assert result.verdict != "fits" and not result.diffs
-    assert any("cannot say it as written" in r for r in result.refused)
+def test_flags_in_a_literal_heredoc_are_edited_where_the_body_writes_them(tmp_path):
+    """OpenRLHF's ``read -r -d '' training_commands <<EOF`` then ``deepspeed --module
+    $training_commands``: a body without expansions is the script's own text, so the fix
+    edits its words in place; the accumulation follows from --train_batch_size and is never
+    written as a flag OpenRLHF does not have."""
+    path = tmp_path / "train_sft_llama.sh"
+    path.write_text((CORPUS / "openrlhf/train_sft_llama.sh").read_text())
+    result = check(CheckOptions(files=(str(path),), gpu="a100-40gb x8"))
+    assert result.verdict != "fits" and result.diffs
+    diff = result.diffs[str(path)]
+    assert "+   --micro_train_batch_size 1 \\" in diff and "gradient_accumulation" not in diff
+    path.write_text(result.new_texts[str(path)])
+    after = check(CheckOptions(files=(str(path),), gpu="a100-40gb x8"))
+    assert after.within_budget and after.config["grad_accum"] == 32
+    expanded = _script(tmp_path, "M=2\nread -r -d '' CMD <<EOF\nopenrlhf.cli.train_sft "
+                       "--pretrain Qwen/Qwen2.5-7B --max_len 2048 --train_batch_size 256 "
+                       "--micro_train_batch_size $M --bf16 --gradient_checkpointing\nEOF\n"
+                       "deepspeed --module $CMD\n")
+    refused = check(CheckOptions(files=(expanded,), gpu="a100-40gb x8"))
+    assert refused.verdict != "fits"  # a body with an expansion is not the script's text:
+    assert all("--micro_train_batch_size $M " in new  # it is never written over
+               for new in refused.new_texts.values())
+    assert refused.diffs or any("cannot say it as written" in r for r in refused.refused)
 
 
 def test_openrlhf_old_and_dotted_flags():

@@ -356,6 +356,8 @@ def script_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
     src = reading.sources["main"]
     bare = set(F.TOOLS[reading.facts["script_tool"] or ""].get("bare_flags", ())) if \
         reading.facts["script_tool"] else set()
+    if "global_batch" in s:  # OpenRLHF: the accumulation follows from the global batch
+        keys.pop("accum")
     if keys["grad_ckpt"] in bare:
         keys.pop("grad_ckpt")
         if cfg.grad_ckpt and not old.grad_ckpt:
