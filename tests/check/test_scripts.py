@@ -65,6 +65,9 @@ def test_a_default_that_is_used_keeps_the_span_of_its_literal():
     assert (text[a:b], text[c:d]) == ("4", "16") and text[a - 2:a] == ":-"
     assert argv[6].span is None  # computed: a fix edits its inputs, never the expression
     assert _shell("PER=${PER:-$X}\nrun $PER\n").commands[-1].argv[-1].span is None
+    set_first = "export PER=8\nPER=${PER:-4}\nrun $PER\n"  # the value comes from PER=8
+    start, end = _shell(set_first).commands[-1].argv[-1].span
+    assert set_first[start:end] == "8" and start == set_first.index("8")
 
 
 def test_a_test_it_cannot_decide_makes_the_variable_unknown():
