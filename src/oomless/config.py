@@ -125,6 +125,9 @@ class StackOptions(_Section):
     optimizer_in_bwd: bool = Field(False, description="torchtune optimizer_in_bwd: each "
                                    "parameter is stepped and its gradient freed inside the "
                                    "backward")
+    cut_cross_entropy: bool = Field(False, description="Apple's cut-cross-entropy "
+                                    "(axolotl's CutCrossEntropyPlugin): the loss from the hidden "
+                                    "states and the lm_head weight, no logits")
     chunked_loss: bool | None = Field(None, description="torchtune: a chunked cross-entropy "
                                       "(CEWithChunkedOutputLoss / LinearCrossEntropyLoss) "
                                       "instead of torch's (null: the recipes' default, chunked)")

@@ -8,6 +8,7 @@ provenance is in its README).
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,20 @@ def test_an_if_on_a_missing_argument_takes_its_default():
     s = _shell('ZERO=$2\nif [ "$ZERO" == "" ]; then\n  ZERO=3\nfi\nrun --zero_stage $ZERO\n')
     assert _argv(s)[-1] == "3"
     assert s.commands[-1].argv[-1].span is not None  # the literal 3 a fix would edit
+
+
+def test_a_default_that_is_used_keeps_the_span_of_its_literal():
+    text = 'PER=${PER:-4}\nexport N=${N:=16}\nACC=$((N / PER))\nrun --bs $PER --n ${N} --acc $ACC\n'
+    s = _shell(text)
+    argv = s.commands[-1].argv
+    assert [w.value for w in argv] == ["run", "--bs", "4", "--n", "16", "--acc", "4"]
+    (a, b), (c, d) = argv[2].span, argv[4].span
+    assert (text[a:b], text[c:d]) == ("4", "16") and text[a - 2:a] == ":-"
+    assert argv[6].span is None  # computed: a fix edits its inputs, never the expression
+    assert _shell("PER=${PER:-$X}\nrun $PER\n").commands[-1].argv[-1].span is None
+    set_first = "export PER=8\nPER=${PER:-4}\nrun $PER\n"  # the value comes from PER=8
+    start, end = _shell(set_first).commands[-1].argv[-1].span
+    assert set_first[start:end] == "8" and start == set_first.index("8")
 
 
 def test_a_test_it_cannot_decide_makes_the_variable_unknown():
@@ -155,6 +170,9 @@ def test_every_tool_row_is_sourced():
         assert set(row["marks"]) <= F.flags_of(tool) | set(row.get("known", ())), tool
         for key in row["defaults"]:
             assert F.meaning_of(key, tool) is not None or key in row.get("known", ()), (tool, key)
+        if "bare_flags" in row:  # store_true flags a fix adds alone: flags of the tool
+            assert "store_true" in row["bare_flags_from"], tool
+            assert set(row["bare_flags"]) <= F.flags_of(tool) | set(row.get("known", ())), tool
 
 
 # ---- "can't tell" ---------------------------------------------------------------------------
@@ -244,6 +262,99 @@ def test_deepspeed_chat_only_optimize_lora_freezes_the_base(tmp_path):
     assert run["hardware"]["gpus_per_node"] == 2
 
 
+def test_openrlhf_stage_comes_from_its_module_and_an_unmapped_one_cannot_be_told(tmp_path):
+    for name, stage in (("train_sft.sh", "sft"), ("train_rm_llama.sh", "rm"),
+                        ("train_dpo_llama.sh", "dpo"), ("train_kto_llama.sh", "kto")):
+        assert _run(f"openrlhf/{name}", model="meta-llama-3-8b-instruct")["stage"] == stage
+    rm = check(CheckOptions(files=(str(CORPUS / "openrlhf/train_rm_llama.sh"),),
+                            gpu="a100-80gb x8", model="meta-llama-3-8b-instruct"))
+    assert rm.config["stage"] == "rm" and rm.verdict == "fits"  # the 8 GPUs it was written for
+    ppo = _script(tmp_path, "deepspeed --module openrlhf.cli.train_ppo --pretrain "
+                  "Qwen/Qwen2.5-7B --max_len 2048 --zero_stage 2 --bf16\n")
+    with pytest.raises(CannotTellError, match="training stage: the module openrlhf.cli.train_ppo"):
+        check(CheckOptions(files=(ppo,), gpu="a100-80gb x8"))
+
+
+def test_llamafactory_cli_with_its_arguments_as_flags_is_read_by_its_own_reader():
+    path = str(CORPUS / "llama-factory-sh/qwen3_lora_sft.sh")
+    with pytest.raises(CannotTellError, match="GPU count"):
+        check(CheckOptions(files=(path,), gpu="rtx-4090"))
+    result = check(CheckOptions(files=(path,), gpu="rtx-4090 x1"))
+    cfg = result.config
+    assert result.model == "qwen3-4b-instruct-2507" and result.label == "LLaMA-Factory command line"
+    assert (cfg["method"], cfg["lora"]["r"], cfg["seq_len"], cfg["precision"]) == (
+        "lora", 8, 2048, "bf16")
+    assert (cfg["micro_batch_size"], cfg["grad_accum"]) == (1, 8)
+
+
+def test_openrlhf_fix_sets_the_stage_and_adds_the_bare_offload_flag(tmp_path):
+    path = _script(tmp_path, "deepspeed --module openrlhf.cli.train_sft \\\n"
+                   "   --pretrain Qwen/Qwen2.5-7B --max_len 2048 \\\n   --zero_stage 2 \\\n"
+                   "   --train_batch_size 64 --micro_train_batch_size 2 \\\n"
+                   "   --bf16 --flash_attn --gradient_checkpointing\n")
+    result = check(CheckOptions(files=(path,), gpu="rtx-4090 x8"))
+    assert result.verdict == "out_of_memory"
+    new = result.new_texts[path]
+    assert "--zero_stage 3 " in new and new.rstrip().endswith("--adam_offload")
+    Path(path).write_text(new)
+    after = check(CheckOptions(files=(path,), gpu="rtx-4090 x8"))
+    assert (after.config["zero"], after.config["offload"]) == (3, "optimizer")
+    assert after.within_budget
+
+
+_ACCELERATE_SFT = ("accelerate launch {opts}--config_file {config} sft.py \\\n"
+                   "    --model_name_or_path Qwen/Qwen2.5-7B --max_length 4096 \\\n"
+                   "    --per_device_train_batch_size 8 --gradient_accumulation_steps 1 \\\n"
+                   "    --bf16 True --gradient_checkpointing True\n")
+
+
+def test_accelerate_launch_reads_the_config_file_the_script_names(tmp_path, monkeypatch):
+    (tmp_path / "zero3.yaml").write_text((CORPUS / "trl/deepspeed_zero3.yaml").read_text())
+    (tmp_path / "fsdp.yaml").write_text((CORPUS / "alignment-handbook/fsdp.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    path = _script(tmp_path, _ACCELERATE_SFT.format(opts="", config="zero3.yaml"))
+    run = read_files(CheckOptions(files=(path,))).run
+    assert (run["zero"], run["offload"], run["hardware"]["gpus_per_node"]) == (3, "none", 8)
+    result = check(CheckOptions(files=(path,), gpu="a100-40gb"))
+    assert result.verdict == "out_of_memory" and set(result.new_texts) == {
+        path, str(tmp_path / "zero3.yaml")}  # the accelerate config's accumulation too
+    for file, text in result.new_texts.items():
+        Path(file).write_text(text)
+    assert check(CheckOptions(files=(path,), gpu="a100-40gb")).within_budget
+    two = _script(tmp_path, _ACCELERATE_SFT.format(opts="--num_processes 2 ", config="fsdp.yaml"))
+    reading = read_files(CheckOptions(files=(two,)))
+    assert reading.run["hardware"]["gpus_per_node"] == 2  # the launcher's flag wins
+    assert reading.run["zero"] == 3 and any("FSDP" in a for a in reading.assumptions)
+    missing = _script(tmp_path, _ACCELERATE_SFT.format(opts="", config="nowhere.yaml"))
+    with pytest.raises(ConfigError, match="accelerate config 'nowhere.yaml'"):
+        read_files(CheckOptions(files=(missing,)))
+
+
+def test_flags_in_a_literal_heredoc_are_edited_where_the_body_writes_them(tmp_path):
+    """OpenRLHF's ``read -r -d '' training_commands <<EOF`` then ``deepspeed --module
+    $training_commands``: a body without expansions is the script's own text, so the fix
+    edits its words in place; the accumulation follows from --train_batch_size and is never
+    written as a flag OpenRLHF does not have."""
+    path = tmp_path / "train_sft_llama.sh"
+    path.write_text((CORPUS / "openrlhf/train_sft_llama.sh").read_text())
+    result = check(CheckOptions(files=(str(path),), gpu="a100-40gb x8"))
+    assert result.verdict != "fits" and result.diffs
+    diff = result.diffs[str(path)]
+    assert "+   --micro_train_batch_size 1 \\" in diff and "gradient_accumulation" not in diff
+    path.write_text(result.new_texts[str(path)])
+    after = check(CheckOptions(files=(str(path),), gpu="a100-40gb x8"))
+    assert after.within_budget and after.config["grad_accum"] == 32
+    expanded = _script(tmp_path, "M=2\nread -r -d '' CMD <<EOF\nopenrlhf.cli.train_sft "
+                       "--pretrain Qwen/Qwen2.5-7B --max_len 2048 --train_batch_size 256 "
+                       "--micro_train_batch_size $M --bf16 --gradient_checkpointing\nEOF\n"
+                       "deepspeed --module $CMD\n")
+    refused = check(CheckOptions(files=(expanded,), gpu="a100-40gb x8"))
+    assert refused.verdict != "fits"  # a body with an expansion is not the script's text:
+    assert all("--micro_train_batch_size $M " in new  # it is never written over
+               for new in refused.new_texts.values())
+    assert refused.diffs or any("cannot say it as written" in r for r in refused.refused)
+
+
 def test_openrlhf_old_and_dotted_flags():
     old = _run("openrlhf/train_sft_llama.sh")
     new = _run("openrlhf/train_sft.sh")
@@ -305,6 +416,98 @@ def test_documented_misses_are_real_files():
                                                ".yaml"),), gpu="rtx-4090", seq_len=2048))
     assert full.verdict == "out_of_memory"  # the miss, as it stands
     assert any("optimizer_in_bwd" in a for a in full.assumptions)
+
+
+# Qwen(1)'s README, "Profiling of Memory and Speed" (QwenLM/Qwen README.md at
+# 03cd81f5e4da6ab60fc8f97f3b8aa1206fdb08a9): finetune.py on one A100-SXM4-80G, batch 1 ×
+# accumulation 8, FlashAttention-2, Qwen-7B; GPU memory in "G" by sequence length. The
+# README does not name its counter: "G" is read as 10^9 bytes. Its script, run as the
+# table was (batch 1, the length; the LoRA row without trainable embeddings is a chat
+# model: finetune.py sets modules_to_save only when the name has no 'chat').
+QWEN_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
+QWEN_README = {  # script, the MODEL it runs, --model (the Int4 GPTQ checkpoint), the row
+    "LoRA": ("finetune_lora_single_gpu.sh", "Qwen/Qwen-7B-Chat", None,
+             (20.1, 20.4, 21.5, 23.8, 29.7, 36.6)),
+    "Q-LoRA": ("finetune_qlora_single_gpu.sh", "Qwen/Qwen-7B-Chat-Int4", "qwen-7b",
+               (11.5, 11.5, 12.3, 13.9, 16.9, 23.5)),
+}
+# Where the published figure lies outside the estimate's band (memory/band.py), as it
+# stands: (row, length) -> which side, and why
+QWEN_MISSES = {
+    ("Q-LoRA", 256): ("under", "the Int4 GPTQ base is sized as bitsandbytes nf4 weights; "
+                      "auto-gptq's own buffers are not modelled"),
+    ("Q-LoRA", 8192): ("over", "the activations grow faster with the length than measured "
+                       "(LoRA's row agrees at 8192, Q-LoRA's does not): not explained yet"),
+}
+MISSES["qwen/finetune (Qwen README)"] = "; ".join(
+    f"{row} {n} tokens: estimate {side} the band ({why})"
+    for (row, n), (side, why) in QWEN_MISSES.items())
+
+
+def _qwen_as_profiled(tmp_path: Path, row: str, length: int):
+    script, model_id, model, _ = QWEN_README[row]
+    shutil.copytree(CORPUS / "qwen", tmp_path / "qwen", dirs_exist_ok=True)
+    path = tmp_path / "qwen" / "finetune" / script
+    text = path.read_text()
+    for old, new in (("--per_device_train_batch_size 2", "--per_device_train_batch_size 1"),
+                     ("--model_max_length 512", f"--model_max_length {length}")):
+        assert old in text
+        text = text.replace(old, new)
+    text = re.sub(r'^MODEL="[^"]+"', f'MODEL="{model_id}"', text, count=1, flags=re.M)
+    path.write_text(text)
+    return check(CheckOptions(files=(str(path),), gpu="a100-80gb", model=model))
+
+
+@pytest.mark.parametrize("row", sorted(QWEN_README))
+def test_qwen_scripts_against_the_memory_table_of_qwens_readme(row, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # finetune/ds_config_zero2.json from the repository root
+    published = QWEN_README[row][3]
+    for length, gb in zip(QWEN_LENGTHS, published, strict=True):
+        result = _qwen_as_profiled(tmp_path / str(length), row, length)
+        assert result.config["micro_batch_size"] == 1 and result.config["seq_len"] == length
+        assert result.verdict == "fits"  # it ran on the 80 GB card
+        measured = gb * 1e9
+        side = ("under" if measured > result.high_bytes else
+                "over" if measured < result.low_bytes else "in")
+        assert side == QWEN_MISSES.get((row, length), ("in",))[0], (
+            row, length, result.device_peak_bytes / 1e9, gb)
+
+
+def test_qwen_lora_on_a_base_model_says_the_embeddings_it_does_not_count():
+    """finetune_lora_single_gpu.sh runs Qwen/Qwen-7B (no 'chat'): finetune.py trains wte and
+    lm_head too, the README's "LoRA (emb)" row (34.1 G at 512 tokens, batch 1); the estimate
+    does not count them (a documented miss, said in its assumptions)."""
+    result = check(CheckOptions(files=(str(CORPUS / "qwen/finetune/finetune_lora_single_gpu.sh"),),
+                                gpu="a100-80gb"))
+    assert result.model == "qwen-7b"
+    assert any("modules_to_save" in a and "not counted" in a for a in result.assumptions)
+    assert result.high_bytes < 34.1e9  # the miss, as it stands (batch 2 here, 1 there)
+    chat = check(CheckOptions(files=(str(CORPUS / "qwen/finetune/finetune_lora_single_gpu.sh"),),
+                              gpu="a100-80gb", model="qwen-7b-chat"))
+    assert not any("modules_to_save" in a for a in chat.assumptions)
+
+
+def test_axolotl_gpt_oss_lora_against_the_memory_of_its_readme(tmp_path):
+    """axolotl examples/gpt-oss/README.md (at 30bef60fc403d4b6187515e1ceae75bd67cb7df4):
+    "LoRA SFT linear layers (1x48GB @ ~44GiB)", torch's reserved memory from its logs. The
+    config offloads the checkpointed activations and computes the loss with Cut
+    Cross-Entropy (no logits); both are read, and both lower the estimate."""
+    text = (CORPUS / "axolotl/gpt-oss-20b-sft-lora-singlegpu.yaml").read_text()
+    path = tmp_path / "gpt-oss.yaml"
+    path.write_text(text)
+    result = check(CheckOptions(files=(str(path),), gpu="l40s"))
+    opts = result.config["stack_options"]
+    assert opts["offload_checkpoints"] and opts["cut_cross_entropy"]
+    assert result.low_bytes <= 44 * 2**30 <= result.high_bytes  # the README's ~44 GiB
+    assert result.verdict != "out_of_memory"  # it ran on a 48 GB card
+    for line in ("activation_offloading: true", "  - axolotl.integrations.cut_cross_entropy."
+                 "CutCrossEntropyPlugin"):
+        assert line in text
+        path.write_text(path.read_text().replace(line + "\n", ""))
+        bigger = check(CheckOptions(files=(str(path),), gpu="l40s"))
+        assert bigger.device_peak_bytes > result.device_peak_bytes
+        result = bigger
+    assert result.verdict == "out_of_memory"  # what check said before reading them
 
 
 @pytest.mark.parametrize("name,model", [

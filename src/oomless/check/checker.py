@@ -284,7 +284,9 @@ def _written(s: _Search, plan: Any) -> tuple[dict[str, str], dict[str, str]] | N
         PENDING.reset(token)
     back = run_config(apply_data(back_reading, s.opts, s.spec), s.opts, s.cluster, s.spec)
     wrong = {k for k, _l, _w in PLAN_KNOBS if _get(back, k) != _get(new, k)}
-    if wrong and wrong <= _BATCH_KEYS and s.reading.facts.get("batch_not_in_file"):
+    loose = set(s.reading.facts.get("may_not_express", ())) | (
+        _BATCH_KEYS if s.reading.facts.get("batch_not_in_file") else set())
+    if wrong and wrong <= loose:
         return None
     if wrong:
         raise RuntimeError(f"internal error: the edited file reads back differently for "
@@ -310,7 +312,8 @@ def _fix(s: _Search) -> tuple[Any, dict[str, str], dict[str, str]]:
             continue
         written = _written(s, plan)
         if written is None:
-            s.refused.append(f"{changes}: {s.reading.label} does not hold the batch size")
+            s.refused.append(f"{changes}: {s.reading.label} cannot say it as written (a "
+                             "computed batch, or a flag it only turns on)")
             continue
         return plan, *written
     return None, {}, {}

@@ -80,6 +80,24 @@ def _sharding(d: dict[str, Any], src: Source, r: Reading) -> tuple[int, str]:
     return 0, "none"
 
 
+def _stack_options(d: dict[str, Any], src: Source, r: Reading) -> dict[str, Any]:
+    """axolotl's switches the estimator models: ``activation_offloading`` (its
+    ActivationOffloadingMixin wraps the checkpointed layers in TRL's OffloadActivations:
+    their inputs wait in host RAM, as torchtune's) and the Cut Cross-Entropy plugin
+    (axolotl.integrations.cut_cross_entropy: cut_cross_entropy's linear_cross_entropy
+    replaces the lm_head and the loss, no logits)."""
+    out: dict[str, Any] = {}
+    if d.get("activation_offloading") and d.get("gradient_checkpointing"):
+        out["offload_checkpoints"] = True
+        r.assumptions.append(f"{src.where('activation_offloading')}: checkpointed layer inputs "
+                             "offloaded to host RAM (axolotl ActivationOffloadingMixin)")
+    if any("cut_cross_entropy" in str(p) for p in d.get("plugins") or ()):
+        out["cut_cross_entropy"] = True
+        r.assumptions.append(f"{src.where('plugins')}: Cut Cross-Entropy: the loss without "
+                             "the logits")
+    return out
+
+
 def read_axolotl(src: Source, model: str | None) -> Reading:
     r = Reading("axolotl", "axolotl YAML", {"main": src}, {}, shardings=tuple(AXOLOTL_DEEPSPEED))
     check_keys(src, "axolotl", reading=r)
@@ -95,6 +113,7 @@ def read_axolotl(src: Source, model: str | None) -> Reading:
         "eval": {},
     }
     _method(d, src, run, r)
+    run["stack_options"] = _stack_options(d, src, r)
     if d.get("rl") and str(d["rl"]) not in RL_STAGE:
         r.assumptions.append(f"{src.where('rl')}: rl '{d['rl']}' is not modelled: estimated as SFT")
     run["zero"], run["offload"] = _sharding(d, src, r)

@@ -100,9 +100,22 @@ def shell_value(value: Any) -> str:
     return str(value)
 
 
+class _Bare:
+    """The value of a bare flag (argparse store_true): ``--key`` alone."""
+
+    def __repr__(self) -> str:
+        return "BARE"
+
+
+BARE = _Bare()
+
+
 def set_shell_arg(text: str, cmd: LaunchCommand, key: str, value: Any) -> str:
-    """The script with ``--key`` set to ``value`` (replaced in place, else appended)."""
+    """The script with ``--key`` set to ``value`` (replaced in place, else appended); a
+    bare flag (``BARE``) is appended alone, or left as it is when present."""
     arg = cmd.args.get(key)
+    if value is BARE:
+        return text if arg is not None else text[:cmd.end] + f" \\\n    --{key}" + text[cmd.end:]
     new = shell_value(value)
     if arg is not None and len(arg.spans) == 1 and arg.spans[0] is not None:
         start, end = arg.spans[0]

@@ -109,7 +109,7 @@ def _fused(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int, kind: str) -> di
         # the bf16 logits, saved; per-row loss and logsumexp in fp32; the backward's
         # gradient overwrites the logits (kernels/cross_entropy_loss.py)
         return {"forward": a * t * v + 8 * t, "backward": a * t * v + a * t * h, "held": 0}
-    if kind == "unsloth-cce" and t > UNSLOTH_CCE_MIN_TOKENS:
+    if kind == "cce" or (kind == "unsloth-cce" and t > UNSLOTH_CCE_MIN_TOKENS):
         # cut_cross_entropy: per-row logsumexp and loss; the t × hidden input gradient
         return {"forward": 8 * t, "backward": 8 * t + a * t * h + lm_head_grad, "held": 0}
     if kind == "unsloth-cce":  # RETURN_LOGITS for short batches: the Triton path

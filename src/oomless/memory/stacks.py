@@ -110,7 +110,7 @@ class StackEffects:
     fp32_groups: frozenset[str] = frozenset()  # non-quantized parameters cast to fp32
     adapters_16bit: bool = False
     lmhead_fp32_output: bool = False
-    fused_loss: str = ""  # "", "liger", "trl", "unsloth"
+    fused_loss: str = ""  # "", "liger", "trl", "unsloth", "cce"
     offload_checkpoints: bool = False
     optimizer_in_bwd: bool = False  # gradients stepped and freed one parameter at a time
     # prepare_model_for_kbit_training ran: every 16-bit non-quantized parameter was fp32
@@ -185,6 +185,8 @@ def _effects(stack: str, method: str, zero: int, grad_ckpt: bool, precision: str
         fx = replace(fx, lmhead_fp32_output=True)
     if opts.liger_kernel:
         fx = replace(fx, fused_loss="liger")
+    if opts.cut_cross_entropy:
+        fx = replace(fx, fused_loss="cce")
     if opts.offload_checkpoints and cfg.grad_ckpt:
         fx = replace(fx, offload_checkpoints=True)
     if cfg.stack == "llamafactory" and cfg.stage in ("dpo", "kto", "orpo", "simpo", "ppo"):

@@ -109,6 +109,17 @@ def method_of(s: dict[str, F.Setting], tool: str | None, src: Source,
     return "lora", extra
 
 
+def saved_modules(name: str, method: str, tool: str | None, r: Reading) -> None:
+    """Qwen finetune.py trains the embedding and the output layer (PEFT modules_to_save
+    ["wte", "lm_head"]) when LoRA runs on a model whose name has no 'chat' (its README:
+    "LoRA (emb)"); the estimate has no trainable embeddings yet: said, not counted."""
+    if tool == "qwen-finetune" and method == "lora" and "chat" not in name.lower():
+        r.assumptions.append(
+            f"Qwen finetune.py trains wte and lm_head (modules_to_save) for '{name}' (no "
+            "'chat' in its name): their trainable copies, gradients and AdamW states are not "
+            "counted (Qwen's README measures LoRA (emb) on Qwen-7B ~14 GB above LoRA)")
+
+
 def _vision(s: dict[str, F.Setting], tool: str | None, extra: dict[str, Any]) -> None:
     vision = {}
     if "tune_vision" in s:

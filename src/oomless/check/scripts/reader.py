@@ -22,11 +22,12 @@ from .. import foreign_keys as K
 from ..common import HF_KEYS, hf_eval, knob_edits, optimizer, pre_quantized_note
 from ..readers_hf import launch_edits as llava_edits
 from ..readers_hf import read_launch as read_llava
+from ..shellargs import BARE
 from ..sources import Reading, Source, knob_set, load_source
 from . import flags as F
 from .decide import cannot_tell, gpu_count
 from .launchers import find_file
-from .methods import method_of, precision_of, unmodelled, zero_of
+from .methods import method_of, precision_of, saved_modules, unmodelled, zero_of
 
 TRAINING_ARGUMENTS_BATCH = 8  # TrainingArguments.per_device_train_batch_size default
 # LLaMA-Factory's entry scripts (src/train_bash.py in 0.5-0.6, src/train.py after)
@@ -63,7 +64,9 @@ def read_script(src: Source, model: str | None) -> Reading:
 
 def _lf_command_line(src: Source, model: str | None) -> Reading:
     """LLaMA-Factory arguments on the command line (``python src/train_bash.py --stage sft
-    --finetuning_type lora ...``, LLaMA-Factory 0.5-0.6): its YAML reader on the flags; a fix
+    --finetuning_type lora ...`` of 0.5-0.6, ``llamafactory-cli train --stage sft ...`` of
+    the newer examples: read_args parses them with HfArgumentParser when no YAML is given):
+    its YAML reader on the flags; a fix
     changes only the batch, checkpointing and the evaluation batch (flags taking a value)."""
     from ..readers_lf import read_llamafactory
 
@@ -81,6 +84,9 @@ def _delegate(src: Source, model: str | None) -> Reading:
     launch = src.command.launch
     names = [w.value for w in launch.args if isinstance(w.value, str)]
     ref = next((n for n in names if n.endswith((".yaml", ".yml", ".json"))), None)
+    if ref is None and launch.launcher.startswith(("llamafactory-cli", "lmf")) and {
+            "stage", "finetuning_type"} & set(src.data):
+        return _lf_command_line(src, model)  # its HfArgumentParser reads the flags too
     if ref is None:
         raise ConfigError(f"{src.path}:{launch.command.line}: `{launch.launcher}` without a "
                           "configuration file; check the YAML it should name")
@@ -163,16 +169,56 @@ def read_by_meaning(src: Source, model: str | None, json_tool: str | None = None
     if launch:
         gpu_count(src, r)
         _environment(src, tool, s, r)
+        accelerate_config(src, r)
     if "image_max_pixels" in s and isinstance(s["image_max_pixels"].value, int):
         r.facts["image_max_pixels"] = s["image_max_pixels"].value
     _batch(s, run, r)
-    r.fixed |= knob_set(*_writable(s, tool))
+    r.fixed |= knob_set(*_writable(s, tool, src))
+    if tool and F.TOOLS[tool].get("bare_flags"):  # a bare flag is added, never removed
+        r.facts["may_not_express"] = {"zero", "offload", "grad_ckpt"}
     for meaning in ("micro_batch", "grad_accum"):
         if meaning in s and not _literal(src, s[meaning].key):
             r.facts["batch_not_in_file"] = True
             r.notes.append(f"{src.where(s[meaning].key)}: --{s[meaning].key} is computed by the "
-                           "script: a fix does not change the batch")
+                           "script: a fix never writes over it; it edits the literals the "
+                           "script computes from, and proposes only a batch the script's own "
+                           "arithmetic then gives")
     return r
+
+
+def accelerate_config(src: Source, r: Reading) -> None:
+    """``accelerate launch --config_file X.yaml``: the accelerate config the script names,
+    read as check reads it as a second file (readers_trl.apply_accelerate: processes,
+    mixed precision, the DeepSpeed or FSDP plugin); a fix of the sharding edits it. The
+    launcher's own ``--num_processes`` wins over the file's, as in accelerate."""
+    launch = src.command.launch
+    if launch.launcher != "accelerate launch":
+        return
+    word = launch.launcher_args.get("config_file") or launch.launcher_args.get("config-file")
+    if word is None:
+        return
+    where = f"{src.path}:{launch.command.line}"
+    if not isinstance(word.value, str):
+        cannot_tell(r, f"--config_file {word.value.describe()}", where,
+                    {"topic": "the accelerate config (GPU count, sharding)",
+                     "settles": "checking the script with its accelerate config as a second "
+                                "file"})
+        return
+    found = find_file(word.value, src.path)
+    if found is None:
+        raise ConfigError(f"{where}: the accelerate config '{word.value}' is not in the "
+                          "working directory, next to the script or in its parent folders: "
+                          "run check from the repository root, or give the config as a second "
+                          "file")
+    from ..readers_trl import apply_accelerate
+
+    count = (r.run.get("hardware") or {}).get("gpus_per_node") if isinstance(
+        launch.gpus, int) else None
+    apply_accelerate(load_source(str(found), "accelerate"), r)
+    if count:
+        r.run["hardware"]["gpus_per_node"] = count
+    r.notes.append(f"{where}: the accelerate config {found} (processes, mixed precision, "
+                   "sharding)")
 
 
 def _environment(src: Source, tool: str | None, s: dict[str, F.Setting], r: Reading) -> None:
@@ -205,6 +251,7 @@ def _run(s: dict[str, F.Setting], tool: str | None, src: Source, model: str | No
                           "--model_name_or_path or the tool's own flag): pass --model")
     pre_quantized_note(str(name), r)
     method, extra = method_of(s, tool, src, r)
+    saved_modules(str(name), method, tool, r)
     unmodelled(s, src, r)
     zero, offload = zero_of(s, tool, src, r)
     length = s.get("seq_len")
@@ -219,7 +266,7 @@ def _run(s: dict[str, F.Setting], tool: str | None, src: Source, model: str | No
     flash = bool(attn and (attn.value is True or "flash" in str(attn.value)))
     micro = s["micro_batch"].value if "micro_batch" in s else TRAINING_ARGUMENTS_BATCH
     run: dict[str, Any] = {
-        "model": str(name), "method": method, "stage": "sft",
+        "model": str(name), "method": method, "stage": _stage(tool, src, r),
         "stack": (F.TOOLS[tool]["stack"] if tool else "hf-trainer"),
         "precision": precision_of(s, method, r), "micro_batch_size": micro,
         "grad_accum": s["grad_accum"].value if "grad_accum" in s else 1,
@@ -235,6 +282,22 @@ def _run(s: dict[str, F.Setting], tool: str | None, src: Source, model: str | No
     return run
 
 
+def _stage(tool: str | None, src: Source, r: Reading) -> str:
+    """The training stage: the tool's table maps its entry points (OpenRLHF's
+    openrlhf.cli.train_rm / train_dpo / train_kto); an entry point it does not map is not
+    read as SFT: check cannot tell."""
+    stages = F.TOOLS[tool].get("stages") if tool else None
+    program = src.command.launch.program if src.command else ""
+    if not stages:
+        return "sft"
+    if program in stages:
+        return stages[program]
+    cannot_tell(r, f"the module {program}", str(src.path), {
+        "topic": "the training stage",
+        "settles": "a module whose stage oomless models (" + ", ".join(sorted(stages)) + ")"})
+    return "sft"
+
+
 def _batch(s: dict[str, F.Setting], run: dict[str, Any], r: Reading) -> None:
     """A global batch (OpenRLHF's train_batch_size) gives the accumulation steps."""
     total = s.get("global_batch")
@@ -247,14 +310,31 @@ def _batch(s: dict[str, F.Setting], run: dict[str, Any], r: Reading) -> None:
     r.facts["batch_not_in_file"] = True  # the accumulation is computed, not written
 
 
-def _writable(s: dict[str, F.Setting], tool: str | None) -> tuple[str, ...]:
-    """Planner knobs a fix may change in this script: those with a flag taking a value."""
+def _writable(s: dict[str, F.Setting], tool: str | None, src: Source) -> tuple[str, ...]:
+    """Planner knobs a fix may change in this script: those with a flag taking a value,
+    and a bare flag (store_true) the fix can add. ZeRO and offload of a tool that takes
+    them as flags (DeepSpeed-Chat, OpenRLHF) when the stage is a literal of the script."""
     out = ["micro_batch"]
     if "global_batch" not in s:
         out.append("grad_accum")
-    if tool not in ("deepspeed-chat", "openrlhf"):  # their checkpointing flag is a bare flag
-        out.append("grad_ckpt")  # (and their offload too: ZeRO stays as written)
+    bare = set(F.TOOLS[tool].get("bare_flags", ())) if tool else set()
+    if "grad_ckpt" not in s or s["grad_ckpt"].key not in bare:
+        out.append("grad_ckpt")
+    elif s["grad_ckpt"].value is not True:
+        out.append("grad_ckpt")  # a bare flag a fix adds (never removes)
+    stage = s.get("zero_stage")
+    if bare and stage is not None and _literal(src, stage.key) and _flag_for(
+            tool, ("offload_all", "offload_optimizer"), src):
+        out.append("zero")
     return tuple(out)
+
+
+def _flag_for(tool: str | None, meanings: tuple[str, ...], src: Source) -> str | None:
+    """The tool's flag for one of ``meanings``, in the style the script writes (OpenRLHF's
+    dotted ``--ds.zero_stage`` or the older ``--zero_stage``)."""
+    dotted = any("." in key for key in src.data)
+    rows = [r["flag"] for r in F.ROWS if tool in r["tools"] and r["meaning"] in meanings]
+    return next((f for f in rows if ("." in f) == dotted), rows[0] if rows else None)
 
 
 def _literal(src: Source, key: str) -> bool:
@@ -274,6 +354,31 @@ def script_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
             "accum": s["grad_accum"].key if "grad_accum" in s else HF_KEYS["accum"],
             "grad_ckpt": s["grad_ckpt"].key if "grad_ckpt" in s else "gradient_checkpointing"}
     src = reading.sources["main"]
+    bare = set(F.TOOLS[reading.facts["script_tool"] or ""].get("bare_flags", ())) if \
+        reading.facts["script_tool"] else set()
+    if "global_batch" in s:  # OpenRLHF: the accumulation follows from the global batch
+        keys.pop("accum")
+    if keys["grad_ckpt"] in bare:
+        keys.pop("grad_ckpt")
+        if cfg.grad_ckpt and not old.grad_ckpt:
+            put(s["grad_ckpt"].key if "grad_ckpt" in s else "gradient_checkpointing", BARE)
     knob_edits(cfg, old, lambda key, value: put(key, value) if _literal(src, key) else None,
                keys)
+    _zero_edits(cfg, old, s, reading.facts["script_tool"], src, put)
     return out
+
+
+def _zero_edits(cfg: RunConfig, old: RunConfig, s: dict[str, F.Setting], tool: str | None,
+                src: Source, put: Any) -> None:
+    """The stage written where the script writes it; offload turned on by the tool's bare
+    flag (DeepSpeed-Chat --offload: optimizer, and parameters under ZeRO-3; OpenRLHF
+    --adam_offload: the optimizer). A change the flags cannot say reads back differently
+    and is not proposed (checker._written)."""
+    if "zero_stage" not in s or not F.TOOLS[tool or ""].get("bare_flags"):
+        return
+    if cfg.zero != old.zero and _literal(src, s["zero_stage"].key):
+        put(s["zero_stage"].key, cfg.zero)
+    if cfg.offload != old.offload and old.offload == "none":
+        flag = _flag_for(tool, ("offload_all", "offload_optimizer"), src)
+        if flag:
+            put(flag, BARE)

@@ -324,6 +324,10 @@ class _Evaluator(WordsMixin):
 
     def heredoc(self, name: Any, argv: list[Word], redirects: list[Any], heredoc: Any) -> None:
         body = heredoc.value.rsplit("\n", 1)[0] + "\n" if "\n" in heredoc.value else ""
+        # a body with no expansion, quote or escape is the script's own characters (the
+        # preparation blanks line continuations in place): a fix may edit its words
+        literal = self.main and not any(c in body for c in "$`\\\"'")
+        at = heredoc.pos[0] + len(body) - len(body.lstrip("\n")) if literal else -1
         quoted = any(getattr(r, "output", None) is not None and r.type in ("<<", "<<-") and
                      any(q in r.output.word for q in "'\"") for r in redirects)
         if not quoted:
@@ -335,7 +339,8 @@ class _Evaluator(WordsMixin):
             target = [w.value for w in argv[1:] if isinstance(w.value, str)
                       and re.fullmatch(r"[A-Za-z_]\w*", w.value)]
             if target:
-                self.env[target[-1]] = Var(body.strip("\n"), None, self.line(heredoc.pos[0]))
+                self.env[target[-1]] = Var(body.strip("\n"), None, self.line(heredoc.pos[0]),
+                                           at)
             return
         for r in redirects:
             if r.type in (">", ">|") and getattr(r, "output", None) is not None:

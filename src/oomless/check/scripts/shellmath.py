@@ -69,7 +69,22 @@ def expand_word(ev: Any, node: Any, value_from: int | None, split: bool) -> list
                         node.pos[1] if ev.main else -1))
     if len(out) == 1 and not isinstance(out[0].value, Unknown):
         out[0].span = _literal_span(text, start, end, parts, single_var)
+    elif single_var is not None and single_var.at >= 0 and re.fullmatch(
+            r"\$\{?[A-Za-z_]\w*\}?", text[start:end]):
+        _body_spans(out, single_var)
     return out
+
+
+def _body_spans(words: list[Any], var: Any) -> None:
+    """Spans of the words an unquoted ``$VAR`` splits into, where VAR holds a literal
+    heredoc body (``read -d '' CMD <<EOF``): each word is where the body writes it."""
+    pos = 0
+    for w in words:
+        found = var.value.find(w.raw, pos) if isinstance(w.value, str) else -1
+        if found < 0:
+            return
+        w.span = (var.at + found, var.at + found + len(w.raw))
+        pos = found + len(w.raw)
 
 
 def _literal_char(text: str, i: int, end: int, quote: str, field: _Field) -> tuple[int, str]:
@@ -144,8 +159,8 @@ def _literal_span(text: str, start: int, end: int, parts: list[Any],
         if not any(q in raw for q in "'\"\\"):
             return (start, end)
         return None
-    if var is not None and len(parts) == 1 and re.fullmatch(
-            r"\"?\$\{?[A-Za-z_]\w*\}?\"?", raw):
+    if var is not None and len(parts) == 1 and re.fullmatch(  # $N, ${N}, ${N:-4}
+            r"\"?\$\{?[A-Za-z_]\w*(?::?[-=][\w.+-]+)?\}?\"?", raw):
         return var.span
     return None
 

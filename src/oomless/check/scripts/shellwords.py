@@ -76,7 +76,8 @@ class WordsMixin:
             return (str(count) if count is not None else Unknown(
                 "${" + body + "}", line, "is known only when the script runs")), None
         if rest:
-            return self._operator(name, value, rest, body, line), None
+            got = self._operator(name, value, rest, body, line)
+            return got, self._default_var(got, var, value, rest, body, pos, line)
         if value is None:
             return Unknown("$" + name, line, "is not set in the script (it comes from the "
                            "environment)"), None
@@ -113,6 +114,28 @@ class WordsMixin:
         if op in (":=", "="):
             self.env[name] = Var(default, None, line)
         return default
+
+    def _default_var(self, got: Value, var: Var | None, value: Value, rest: str, body: str,
+                     pos: int, line: int) -> Var | None:
+        """The variable a default operator's value comes from: N's own when N is set, else
+        one standing for the default that is used (``4`` of ``${N:-4}``) with where that
+        literal is written in the main script, so that a fix edits it; None otherwise."""
+        op = next((o for o in _DEFAULT_OPS if rest.startswith(o)), "")
+        word = rest[len(op):]
+        unset = value is None or (op.startswith(":") and value == "")
+        if op in (":-", "-", ":=", "=") and not unset and got == value:
+            return var
+        if op not in (":-", "-", ":=", "=") or not unset or got != word or not getattr(
+                self, "main", False) or not re.fullmatch(r"[\w.+-]+", word):
+            return None
+        start = pos + 2 + len(body) - len(rest) + len(op)
+        text = self.prep.text
+        if text[pos:pos + 2] != "${" or text[start:start + len(word)] != word:
+            return None
+        var = Var(word, (start, start + len(word)), line)
+        if op in (":=", "="):
+            self.env[body[:len(body) - len(rest)]] = var
+        return var
 
     def _word(self, text: str, line: int) -> Value:
         if not text:

@@ -32,6 +32,7 @@ class Var:
     value: Value
     span: tuple[int, int] | None = None  # where the literal value is written (main file)
     line: int = 0
+    at: int = -1  # value[i] is the main file's character at + i (a literal heredoc body)
 
 
 @dataclass
