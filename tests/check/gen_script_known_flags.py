@@ -1,19 +1,26 @@
 """Fill the ``known`` flag lists of src/oomless/data/script_flags.json (not a test; run by
 hand). Each tool's flags are the argument names of its own argument classes, read with
 ``ast`` from its repository at the commit named (dataclass fields and argparse
-``--names``), from git clones under /work/.mirror/OWNER+NAME/repo (any clone works:
-change ``show``/``ls``). Known flags only warn when unknown elsewhere; they never make
+``--names``), from git clones under MIRRORS/OWNER+NAME/repo (any clone works:
+change ``show``/``ls``).
+
+    python tests/check/gen_script_known_flags.py MIRRORS Known flags only warn when unknown elsewhere; they never make
 check say it cannot tell.
 """
 
 import ast
 import json
 import subprocess
+import sys
+from pathlib import Path
+
+MIRRORS = sys.argv[1] if len(sys.argv) > 1 else "."
+FLAGS_FILE = Path(__file__).resolve().parents[2] / "src" / "oomless" / "data" / "script_flags.json"
 
 
 def show(repo, rev, path):
     return subprocess.run(
-        ["git", "-C", f"/work/.mirror/{repo}/repo", "show", f"{rev}:{path}"],
+        ["git", "-C", f"{MIRRORS}/{repo}/repo", "show", f"{rev}:{path}"],
         capture_output=True,
         text=True,
     ).stdout
@@ -21,7 +28,7 @@ def show(repo, rev, path):
 
 def ls(repo, rev, under):
     return subprocess.run(
-        ["git", "-C", f"/work/.mirror/{repo}/repo", "ls-tree", "-r", "--name-only", rev, under],
+        ["git", "-C", f"{MIRRORS}/{repo}/repo", "ls-tree", "-r", "--name-only", rev, under],
         capture_output=True,
         text=True,
     ).stdout.split()
@@ -101,7 +108,7 @@ spec["swift"] = [
         ],
     )
 ]
-d = json.load(open("/work/wt/h20a/src/oomless/data/script_flags.json"))
+d = json.load(open(FLAGS_FILE))
 for tool, items in spec.items():
     ks = set()
     srcs = []
@@ -119,6 +126,6 @@ for tool, items in spec.items():
     d["tools"][tool]["known_from"] = " ; ".join(srcs)
     print(tool, len(ks))
 json.dump(
-    d, open("/work/wt/h20a/src/oomless/data/script_flags.json", "w"), indent=1, ensure_ascii=False
+    d, open(FLAGS_FILE, "w"), indent=1, ensure_ascii=False
 )
-open("/work/wt/h20a/src/oomless/data/script_flags.json", "a").write("\n")
+open(FLAGS_FILE, "a").write("\n")
