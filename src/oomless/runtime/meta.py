@@ -70,12 +70,16 @@ def build_config(config: dict[str, Any], folder: Path | None, trust_remote_code:
     """The transformers config object: the library's class, or the folder's own code."""
     from transformers import AutoConfig
 
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # huggingface_hub before strict config dataclasses
+        StrictDataclassError = ValueError  # noqa: N806
     model_type = str(config.get("model_type") or "")
     if model_type and in_library(model_type):
         d = {k: v for k, v in config.items() if k not in ("model_type", "auto_map")}
         try:
             return AutoConfig.for_model(model_type, **d)
-        except (ValueError, TypeError) as err:  # the config class's own validation
+        except (ValueError, TypeError, StrictDataclassError) as err:  # the class's validation
             first = (str(err).strip().splitlines() or [""])[-1].strip()
             raise ModelConfigError(f"{where}: transformers' {model_type} config class refuses "
                                    f"this config.json: {first}") from None
