@@ -63,3 +63,13 @@ def test_the_vision_tower_is_reached_only_where_the_regex_names_its_modules(tmp_
     assert any("lm_head" in a and "not counted" in a for a in everything.assumptions)
     with pytest.raises(CannotTellError, match="reaches only the vision side"):
         _check(tmp_path, "'.*visual.*'", vl)
+
+
+def test_peft_all_linear_reaches_the_vision_tower_when_nothing_freezes_it(tmp_path):
+    """PEFT's all-linear takes every Linear but the output layer (tuners_utils
+    _maybe_include_all_linear_layers); TRL freezes no tower."""
+    vl = "Qwen/Qwen2-VL-2B-Instruct"
+    r = _check(tmp_path, "all-linear", vl)
+    assert r.lora_reach.startswith("LoRA on 28 language + 32 vision-tower layers")
+    text = _check(tmp_path, "all-linear")
+    assert text.lora_reach == "LoRA on 24 language layers (all linear layers)"
