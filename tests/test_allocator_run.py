@@ -287,3 +287,34 @@ def test_equal_micro_lengths_replay_the_traced_step():
     as_traced = simulate_run(stream, [256] * 5)
     per_micro = simulate_run(stream, [(256, 256)] * 5)
     assert as_traced.curve == per_micro.curve
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.floats(min_value=0.5, max_value=1.5))
+def test_expandable_segments_is_proposed_exactly_when_it_is_the_smallest_fix_that_fits(scale):
+    """For any card, the fixes that fit come first, the smallest change first (the
+    allocator setting before the loader's order, packing and a length cap); so
+    expandable_segments leads the proposals exactly when it fits."""
+    from oomless.planner.runsim import FIX_RANK
+
+    stream = scaled()
+    samples = list(range(100, 1100, 50))
+    exp = simulate_run(stream, samples, AllocatorConfig(expandable_segments=True))
+    capacity = round(exp.high_water_bytes * scale)
+    pred = predict_run(stream, samples, batch=1, grad_accum=1, steps=len(samples),
+                       order="sorted", cap=max(samples), capacity_bytes=capacity)
+    if pred.default.fits:
+        assert pred.fixes == () and pred.verdict() == "fits"
+        return
+    fits = [f["fits"] for f in pred.fixes]
+    assert fits == sorted(fits, reverse=True)  # every fix that fits before any that does not
+    ranks = [FIX_RANK.get(f["fix"], 3) for f in pred.fixes if f["fits"]]
+    assert ranks == sorted(ranks)
+    first = pred.fixes[0]
+    assert (first["fix"] == "expandable_segments" and first["fits"]) == pred.expandable.fits
+    assert pred.expandable.fits == (exp.high_water_bytes <= capacity)
+    if pred.expandable.fits:
+        assert pred.verdict() == "fits only with expandable_segments"
+    else:
+        assert pred.verdict() == "out of memory"
+        assert all(f["fix"] != "expandable_segments" or not f["fits"] for f in pred.fixes)
