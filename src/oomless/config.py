@@ -113,6 +113,10 @@ class StackOptions(_Section):
     kbit_upcast: bool | None = Field(
         None, description="peft prepare_model_for_kbit_training casts the 16-bit non-quantized "
         "parameters to fp32 (null: the stack's default)")
+    autocast: bool | None = Field(
+        None, description="the step runs under torch.autocast (false: HF Trainer without "
+        "bf16/fp16 on a 16-bit-loaded model computes in the model's dtype, PEFT's fp32 "
+        "adapters take an fp32 copy of their input; null: the stack's default)")
     liger_kernel: bool = Field(False, description="Liger kernels with the fused linear "
                                "cross-entropy (LLaMA-Factory enable_liger_kernel, axolotl "
                                "liger_fused_linear_cross_entropy)")

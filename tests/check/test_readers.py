@@ -87,6 +87,10 @@ def test_vision_tower_settings(tmp_path):
     path = tmp_path / "vl.yaml"
     path.write_text(lf.replace("freeze_vision_tower: true", "freeze_vision_tower: false"))
     assert read_files(CheckOptions(files=(str(path),))).run["vision"]["freeze_tower"] is False
+    # LLaMA-Factory hparams/finetuning_args.py: freeze_multi_modal_projector defaults to true
+    assert run_of("llama-factory/qwen2vl_full_sft.yaml")["vision"]["freeze_projector"] is True
+    path.write_text(lf + "\nfreeze_multi_modal_projector: false\n")
+    assert read_files(CheckOptions(files=(str(path),))).run["vision"]["freeze_projector"] is False
 
 
 def test_image_max_pixels_caps_the_tokens_per_image():

@@ -36,6 +36,8 @@ CASES = [
     ("llamafactory", "lora", True, {"offload_checkpoints": True}),
     ("hf-trainer", "qlora", True, {"kbit_upcast": True}),
     ("swift", "lora", False, {}),
+    ("hf-trainer", "lora", False, {"autocast": False}),
+    ("hf-trainer", "lora", True, {"autocast": False}),
 ]
 
 
@@ -73,6 +75,8 @@ def test_the_stacks_change_memory_the_way_their_code_does():
 
     assert peak("custom-loop", "lora") > peak("hf-trainer", "lora")  # kept outputs, fp32 copies
     assert peak("trl", "lora") < peak("hf-trainer", "lora")  # no full logits
+    # no bf16/fp16 flag on a 16-bit model: fp32 adapters keep fp32 copies of their inputs
+    assert peak("hf-trainer", "lora", autocast=False) > peak("hf-trainer", "lora")
     assert peak("hf-trainer", "qlora", True, kbit_upcast=True) > peak("hf-trainer", "qlora", True)
     assert peak("llamafactory", "lora", True, offload_checkpoints=True) < \
         peak("llamafactory", "lora", True)

@@ -176,3 +176,15 @@ def test_the_api_entry_carries_the_consent(tmp_path):
         api_resolve(str(folder), trust_remote_code=True)
     with pytest.raises(ModelConfigError, match="Pass --trust-remote-code"):
         api_resolve(str(folder), trust_remote_code=False)
+
+
+def test_a_config_value_the_class_refuses_is_a_clear_refusal(tmp_path):
+    """Llama-4-Scout's released attn_temperature_tuning is 4; transformers 5's strict
+    Llama4TextConfig wants a bool (huggingface_hub StrictDataclassError, not a ValueError):
+    refused with the class's reason, not a traceback. The catalog stores it as true."""
+    from oomless.models.catalog import get_entry
+
+    config = json.loads(json.dumps(get_entry("llama-4-scout-17b-16e-instruct").config))
+    config["text_config"]["attn_temperature_tuning"] = 4
+    with pytest.raises(ModelConfigError, match="attn_temperature_tuning"):
+        resolve_model(str(_folder(tmp_path, config)))

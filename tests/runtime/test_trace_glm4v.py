@@ -28,12 +28,16 @@ def _non_weights(breakdown: dict[str, int]) -> int:
     return sum(v for k, v in breakdown.items() if k != "weights")
 
 
-@pytest.mark.parametrize("freeze_tower", [True, False])
-def test_eva2clip_tower_at_1120px_analytic_equals_the_trace(freeze_tower):
+@pytest.mark.parametrize("freeze_tower, autocast", [(True, None), (False, None),
+                                                    (False, False)])
+def test_eva2clip_tower_at_1120px_analytic_equals_the_trace(freeze_tower, autocast):
+    """autocast False: HF Trainer without bf16/fp16 on finetune_vision.py's bf16 model
+    (GLM-4's finetune_demo LoRA YAML): PEFT's fp32 adapters copy each input to fp32."""
     config = get_entry("glm-4v-9b").config
     cfg = RunConfig(model="glm-4v-9b", seq_len=256, data={"images_per_sample": 1},
                     lora={"r": 8, "dropout": 0.1, "targets": ["q_proj", "k_proj", "v_proj"]},
-                    vision={"freeze_tower": freeze_tower})
+                    vision={"freeze_tower": freeze_tower},
+                    stack_options={"autocast": autocast})
     glm = chatglm_to_glm(config)
     glm["num_hidden_layers"] = LM_LAYERS
     vision = dataclasses.replace(resolve_model("glm-4v-9b").spec.vision, num_layers=TOWER_LAYERS)

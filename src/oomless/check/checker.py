@@ -174,17 +174,14 @@ def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: Mod
 def _lora_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> None:
     """Keep the LoRA targets that are linears of the language model's layers (a target
     in the vision tower or the projector is said, not counted)."""
-    from ..errors import CannotTellError
     from ..memory.states import lora_targets
 
     targets = (run.get("lora") or {}).get("targets")
     if isinstance(targets, str) and targets != "all-linear":
-        raise CannotTellError(
-            f"LoRA target_modules is a regular expression ('{targets}'): PEFT matches it with "
-            "re.fullmatch against every full module name, vision tower included, and oomless "
-            "cannot tell from the file which of "
-            f"{spec.name}'s layers that reaches. Write the module names as a list (e.g. "
-            "[\"q_proj\", \"v_proj\"]) or 'all-linear' to have it checked.")
+        from .lora_names import resolve_regex_targets
+
+        resolve_regex_targets(run, spec, reading)
+        targets = run["lora"]["targets"]
     if not isinstance(targets, list):
         return
     kept = []

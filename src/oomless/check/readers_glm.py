@@ -23,7 +23,7 @@ from typing import Any
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..knobs import OPTIMIZERS
-from .common import batch_edits, eval_on, grad_ckpt_key, native_targets, optimizer
+from .common import batch_edits, eval_on, grad_ckpt_key, native_targets, optimizer, precision
 from .dsfiles import GLM_DEEPSPEED, deepspeed_ref, deepspeed_source
 from .sources import Reading, Source, check_keys, knob_set
 
@@ -66,6 +66,19 @@ def _peft(src: Source, peft: dict[str, Any], run: dict[str, Any], r: Reading) ->
                       "(no peft_config)")
 
 
+def _autocast(ta: dict[str, Any], run: dict[str, Any], r: Reading) -> None:
+    """HF Trainer autocasts only with ``bf16``/``fp16`` set (accelerate's mixed_precision
+    "no" otherwise); finetune.py loads the model in bf16, so without them the step runs
+    in bf16 without autocast and PEFT's fp32 adapters (autocast_adapter_dtype, PEFT ≥
+    0.11) copy each LoRA input to fp32 (peft tuners/lora/layer.py Linear.forward)."""
+    if precision(ta) in ("bf16", "fp16") or ta.get("deepspeed"):
+        return
+    run["stack_options"] = {"autocast": False}
+    r.notes.append("training_args sets neither bf16 nor fp16: the Trainer runs the bf16 model "
+                   "without autocast; PEFT's fp32 LoRA adapters take an fp32 copy of their "
+                   "input")
+
+
 def read_glm4(src: Source, model: str | None) -> Reading:
     r = Reading("glm4", "GLM-4 finetune YAML", {"main": src}, {},
                 shardings=((0, "none"), *GLM_DEEPSPEED))
@@ -94,6 +107,7 @@ def read_glm4(src: Source, model: str | None) -> Reading:
     }
     if peft:
         _peft(src, peft, run, r)
+        _autocast(ta, run, r)
     if ta.get("deepspeed"):
         _s, (run["zero"], run["offload"]) = deepspeed_source(str(ta["deepspeed"]), src.path,
                                                              GLM_DEEPSPEED, r)

@@ -3,8 +3,8 @@
 Defaults are LLaMA-Factory's own (0.9.x): cutoff_len 2048 (1024 before 0.9.3
 in some examples, always written there), lora_rank 8, lora_target all,
 gradient checkpointing on unless disabled, max_new_tokens 1024, stage sft,
-freeze_vision_tower true; TrainingArguments' per-device batches 8,
-accumulation 1.
+freeze_vision_tower and freeze_multi_modal_projector true (hparams/finetuning_args.py
+FinetuningArguments); TrainingArguments' per-device batches 8, accumulation 1.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def read_lf_dict(d: dict[str, Any], where: Callable[[str], str], src: Source, mo
         "grad_ckpt": not d.get("disable_gradient_checkpointing", False),
         "attn": attention_from_llamafactory(str(d.get("flash_attn", "auto"))) or "sdpa",
         "data": {"packing": bool(d.get("packing"))},
-        "vision": {"freeze_tower": bool(d.get("freeze_vision_tower", True))},
+        "vision": {"freeze_tower": bool(d.get("freeze_vision_tower", True)),
+                   "freeze_projector": bool(d.get("freeze_multi_modal_projector", True))},
         "zero": 0, "offload": "none",
     }
     if not run["model"]:

@@ -60,6 +60,10 @@ def _method(d: dict[str, Any], run: dict[str, Any]) -> None:
     run["lora"] = {"r": d.get("lora_r", 16), "alpha": d.get("lora_alpha", 32),
                    "dropout": d.get("lora_dropout", 0.05),
                    "targets": d.get("lora_target_modules") or "all-linear"}
+    if str(d.get("lora_target_modules")).lower() == "all-linear":
+        # PEFT's all-linear (tuners_utils._maybe_include_all_linear_layers) takes every
+        # Linear but the output layer, a vision tower's included; TRL freezes nothing
+        run["vision"] = {"freeze_tower": False}
     bits = 4 if d.get("load_in_4bit") else (8 if d.get("load_in_8bit") else None)
     run["method"] = "qlora" if bits else "lora"
     if bits:

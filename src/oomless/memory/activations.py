@@ -73,9 +73,11 @@ def norm_out_bytes(dt: Dtypes, norm_type: str) -> int:
 def _norm(saved: _Saved, tag: str, t: int, width: int, dt: Dtypes, plan: LayerPlan,
           norm_type: str, normed_bytes: int | None = None) -> None:
     """HF RMSNorm computes in fp32: pow and mul keep the fp32 input (4 B); a
-    trained weight also keeps the normalised tensor. LayerNorm keeps its
-    (fp32) input plus per-row mean and rstd."""
-    saved.add(f"{tag}.in_fp32", 4 * t * width)
+    trained weight also keeps the normalised tensor. LayerNorm keeps its input
+    plus per-row mean and rstd: fp32 under autocast (its fp32 op list casts the
+    input), the tensor's own dtype without autocast."""
+    in_bytes = 4 if norm_type == "rms" or dt.autocast or dt.norm_fp32 else dt.resid_bytes
+    saved.add(f"{tag}.in_fp32", in_bytes * t * width)
     saved.add(f"{tag}.stats", 4 * t * 2)
     if plan.norm_trainable and norm_type == "rms":
         saved.add(f"{tag}.normed", (normed_bytes or dt.resid_bytes) * t * width)

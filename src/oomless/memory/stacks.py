@@ -176,6 +176,8 @@ def _effects(stack: str, method: str, zero: int, grad_ckpt: bool, precision: str
         fx = replace(fx, autocast=not pure, keep_outputs=True,
                      fp32_groups=FP32_GROUPS_ALL if qlora_single else frozenset(),
                      setup_upcast=qlora_single)
+    if opts.autocast is not None:
+        fx = replace(fx, autocast=opts.autocast)
     if opts.kbit_upcast is not None and qlora_single:
         fx = replace(fx, fp32_groups=FP32_GROUPS_ALL if opts.kbit_upcast else frozenset(),
                      setup_upcast=opts.kbit_upcast)

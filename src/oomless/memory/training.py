@@ -341,8 +341,10 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
         "activations: per-op saved tensors of an HF Llama-style layer (see "
         "oomless/memory/activations.py); dropout only on LoRA inputs",
     ]
-    if cfg.method != "full":
-        out.append("LoRA adapters in fp32 (PEFT autocast_adapter_dtype) under bf16/fp16 autocast")
+    dt = dtypes_for(cfg)
+    if cfg.method != "full" and dt.trainable_bytes == 4 and dt.act_bytes == 2:
+        out.append("LoRA adapters in fp32 (PEFT autocast_adapter_dtype) " +
+                   ("under bf16/fp16 autocast" if dt.autocast else "on the 16-bit model"))
     out += quantization_assumptions(spec, cfg)
     out += vision_assumptions(spec, cfg)
     if spec.is_moe:

@@ -199,7 +199,8 @@ def get_entry(name: str) -> CatalogEntry:
 def close_names(text: str, n: int = 5) -> list[str]:
     """Catalog names closest to ``text``, token-aware: the family word must match, then
     numbers decide ("Qwen3-4B-Instruct-2508" ranks qwen3-4b first: every number of it is
-    in the query), then the spelling (difflib ratio)."""
+    in the query), a word of the name the query lacks even misspelt costs as much as a
+    number ("vl" of qwen3-vl-4b-instruct), then the spelling (difflib ratio)."""
     query = _tokens(text.split("/")[-1])
     numbers = _numbers(query)
     family = next((t for t in query if not t[0].isdigit() and len(t) > 1), None)
@@ -210,6 +211,9 @@ def close_names(text: str, n: int = 5) -> list[str]:
         if family and family not in tokens:
             continue  # the family word ("qwen", "llama", "gemma") must be there
         score = len(numbers & candidate) - len(candidate - numbers)
+        words = [t for t in query if not t[0].isdigit()]
+        score -= sum(not difflib.get_close_matches(t, words, n=1, cutoff=0.8)
+                     for t in tokens if not t[0].isdigit() and len(t) > 1)
         score += difflib.SequenceMatcher(None, "-".join(query), "-".join(tokens)).ratio()
         if score > 0.5:
             scores[name] = max(score, scores.get(name, float("-inf")))

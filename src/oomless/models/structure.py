@@ -64,3 +64,19 @@ def checked_against_code(spec: ModelSpec, config: dict[str, Any], folder: Path |
             f"{code.param_count:,}: the structure read from the code is used")
     return replace(code, quantization=spec.quantization,
                    assumptions=(*code.assumptions, note, *spec.assumptions))
+
+
+def register_module_lister(lister: Callable[..., tuple[str, ...] | None]) -> None:
+    """``lister(config, folder=, trust_remote_code=)`` -> the full names of the model's
+    linear modules (PEFT's candidates, the output layer included), or None when the model
+    cannot be built here (remote code without its files or consent, no torch)."""
+    _state["lister"] = lister
+
+
+def linear_module_names(config: dict[str, Any] | None,
+                        folder: Path | None) -> tuple[str, ...] | None:
+    """The linear modules of the model built on the meta device (None: cannot be built)."""
+    lister = _state.get("lister")
+    if lister is None or config is None:
+        return None
+    return lister(config, folder=folder, trust_remote_code=_state["trust_remote_code"])

@@ -51,8 +51,9 @@ SEARCH_ASSUMPTIONS = (
 
 # Model types whose transformers implementation has no FlashAttention-2 path
 # (checked against transformers' `_supports_flash_attn` in tests/planner): Mllama
-# (MllamaForConditionalGeneration / MllamaForCausalLM: _supports_flash_attn False).
-NO_FLASH_MODEL_TYPES = frozenset({"mllama"})
+# (MllamaForConditionalGeneration / MllamaForCausalLM: _supports_flash_attn False) and
+# Llama 4 (Llama4ForConditionalGeneration / Llama4ForCausalLM: _supports_flash_attn False).
+NO_FLASH_MODEL_TYPES = frozenset({"mllama", "llama4"})
 FLASH_MAX_HEAD_DIM = 256  # FlashAttention-2 supports head dimensions up to 256
 
 

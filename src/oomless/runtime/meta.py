@@ -21,13 +21,15 @@ is never asked (``HF_HUB_OFFLINE``). :func:`meta_spec` is the one entry.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from ..errors import ModelConfigError, UnknownModelError
 from ..models.spec import ModelSpec
-from ..models.structure import register_structure_reader
+from ..models.structure import register_module_lister, register_structure_reader
 from .meta_tree import spec_from_model
 
 
@@ -68,12 +70,16 @@ def build_config(config: dict[str, Any], folder: Path | None, trust_remote_code:
     """The transformers config object: the library's class, or the folder's own code."""
     from transformers import AutoConfig
 
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # huggingface_hub before strict config dataclasses
+        StrictDataclassError = ValueError  # noqa: N806
     model_type = str(config.get("model_type") or "")
     if model_type and in_library(model_type):
         d = {k: v for k, v in config.items() if k not in ("model_type", "auto_map")}
         try:
             return AutoConfig.for_model(model_type, **d)
-        except (ValueError, TypeError) as err:  # the config class's own validation
+        except (ValueError, TypeError, StrictDataclassError) as err:  # the class's validation
             first = (str(err).strip().splitlines() or [""])[-1].strip()
             raise ModelConfigError(f"{where}: transformers' {model_type} config class refuses "
                                    f"this config.json: {first}") from None
@@ -174,4 +180,33 @@ def structure_reader(config: dict[str, Any], name: str, *, folder: Path | None,
                      where=where)
 
 
+def linear_names(config: dict[str, Any], *, folder: Path | None,
+                 trust_remote_code: bool) -> tuple[str, ...] | None:
+    """Full names of the linear modules PEFT can wrap (``nn.Linear``, transformers'
+    ``Conv1D``) of the model built on the meta device, the output layer included (a
+    regular expression can reach it; ``all-linear`` skips it); None where the model
+    cannot be built here."""
+    key = json.dumps(config, sort_keys=True, default=str)
+    return _linear_names(key, str(folder) if folder else "", trust_remote_code)
+
+
+@functools.lru_cache(maxsize=16)
+def _linear_names(key: str, folder: str, trust_remote_code: bool) -> tuple[str, ...] | None:
+    try:
+        import torch
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    config = json.loads(key)
+    try:
+        config_obj = build_config(config, Path(folder) if folder else None, trust_remote_code,
+                                  str(config.get("model_type")))
+        model = build_meta_model(config_obj, trust_remote_code)
+    except (ModelConfigError, UnknownModelError, ValueError, TypeError, OSError):
+        return None
+    return tuple(name for name, mod in model.named_modules()
+                 if isinstance(mod, (torch.nn.Linear, Conv1D)))
+
+
 register_structure_reader(structure_reader)
+register_module_lister(linear_names)

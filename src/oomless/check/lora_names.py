@@ -1,0 +1,127 @@
+"""LoRA ``target_modules`` given as a regular expression, resolved against the real module tree.
+
+PEFT (peft/tuners/tuners_utils.py ``check_target_module_exists``) matches a string
+``target_modules`` with ``re.fullmatch`` against the full name of every module of the
+base model — the vision tower's and the projector's included — and wraps the matching
+linear layers. Which names exist is a fact of the model's code, not of the file: the
+model is built on the meta device (oomless.runtime.meta, through
+oomless.models.structure.linear_module_names) and the expression is matched against its
+linear modules. Where the tree cannot be built here (remote code without its files or
+without --trust-remote-code), the run is refused as can't-tell with what settles it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from ..errors import CannotTellError, ConfigError
+from ..models.spec import ModelSpec
+from .sources import Reading
+
+# the words oomless.runtime.meta_tree uses to keep vision modules out of the decoder layers
+VISION_WORDS = ("vision", "visual", "vit", "image", "audio")
+PROJECTOR_WORDS = ("projector", "merger", "mm_proj", "aligner")
+
+
+def _model_tree(model: str) -> tuple[str, ...] | None:
+    from ..api import resolve_model
+    from ..errors import OomlessError
+    from ..models.structure import linear_module_names
+
+    try:
+        resolved = resolve_model(model)
+    except OomlessError:
+        return None
+    source = resolved.source
+    folder = None
+    if source.startswith(("file:", "hf-cache:")):
+        path = Path(source.split(":", 1)[1])
+        folder = path if path.is_dir() else path.parent
+    return linear_module_names(resolved.hf_config, folder)
+
+
+def split_by_part(names: tuple[str, ...]) -> dict[str, list[str]]:
+    """Matched module names by the part of the model they sit in."""
+    out: dict[str, list[str]] = {"language": [], "vision tower": [], "projector": []}
+    for name in names:
+        low = name.lower()
+        part = ("projector" if any(w in low for w in PROJECTOR_WORDS) else
+                "vision tower" if any(w in low for w in VISION_WORDS) else "language")
+        out[part].append(name)
+    return out
+
+
+def _refuse(targets: str, spec: ModelSpec, why: str) -> CannotTellError:
+    return CannotTellError(
+        f"LoRA target_modules is a regular expression ('{targets}'): PEFT matches it with "
+        "re.fullmatch against every full module name, vision tower included, and "
+        f"{why}. Write the module names as a list (e.g. [\"q_proj\", \"v_proj\"]) or "
+        f"'all-linear' to have {spec.name} checked.")
+
+
+def _refuse_partial(targets: str, spec: ModelSpec, matched: list[str],
+                    every: list[str]) -> None:
+    """An expression that wraps a name in some layers only: the estimate puts LoRA on every
+    layer, so it cannot tell."""
+    for last in sorted({n.rsplit(".", 1)[-1] for n in matched}):
+        hit = sum(n.rsplit(".", 1)[-1] == last for n in matched)
+        total = sum(n.rsplit(".", 1)[-1] == last for n in every)
+        if hit != total:
+            raise _refuse(targets, spec, f"it reaches {hit} of the {total} '{last}' modules of "
+                          "the language model, and oomless models LoRA on every layer")
+
+
+def _tower_reached(spec: ModelSpec, run: dict[str, Any], targets: list[str]) -> set[str]:
+    """The tower linears the estimate wraps for these language targets (memory.vision)."""
+    from ..config import RunConfig
+    from ..memory.vision import tower_plan
+
+    cfg = RunConfig(model=str(run.get("model")), method=run.get("method", "lora"),
+                    lora={**run["lora"], "targets": targets}, data={"images_per_sample": 1},
+                    vision={"freeze_tower": False})
+    plan = tower_plan(spec, cfg)
+    return set(plan.lora) if plan else set()
+
+
+def resolve_regex_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> None:
+    """Replace a regex ``lora.targets`` by the names it reaches in the model's tree."""
+    from ..memory.vision import _TOWER_ALIASES
+
+    targets = run["lora"]["targets"]
+    try:
+        pattern = re.compile(targets)
+    except re.error as err:
+        raise ConfigError(f"LoRA target_modules '{targets}' is not a valid regular "
+                          f"expression ({err}); PEFT compiles it with re.fullmatch") from None
+    names = _model_tree(str(run.get("model")))
+    if names is None:
+        raise _refuse(targets, spec, f"oomless cannot build {spec.name}'s module tree here "
+                      "(its code ships with the checkpoint: a local model folder with "
+                      "--trust-remote-code builds it)")
+    parts = split_by_part(tuple(n for n in names if pattern.fullmatch(n)))
+    if not any(parts.values()):
+        raise ConfigError(f"LoRA target_modules '{targets}' matches no linear module of "
+                          f"{spec.name} (PEFT raises 'Target modules ... not found')")
+    language = sorted({n.rsplit(".", 1)[-1] for n in parts["language"]})
+    _refuse_partial(targets, spec, parts["language"], split_by_part(names)["language"])
+    tower = {_TOWER_ALIASES.get(n.rsplit(".", 1)[-1], n.rsplit(".", 1)[-1])
+             for n in parts["vision tower"]}
+    if not language:
+        raise _refuse(targets, spec, "it reaches only the vision side "
+                      f"({len(parts['vision tower'])} tower, {len(parts['projector'])} "
+                      "projector linears), which oomless does not model without LoRA in the "
+                      "language model")
+    run["lora"] = {**run["lora"], "targets": language}
+    frozen = (run.get("vision") or {}).get("freeze_tower")  # the tool froze it (freezeV)
+    if spec.vision is not None and not frozen and _tower_reached(spec, run, language) != tower:
+        if tower:
+            raise _refuse(targets, spec, f"it reaches the vision tower's {', '.join(sorted(tower))}"
+                          " but oomless models tower LoRA by the language targets' names")
+    if spec.vision is not None and not frozen:  # nothing froze it: the expression decides
+        run["vision"] = {**(run.get("vision") or {}), "freeze_tower": not tower}
+    counts = ", ".join(f"{len(v)} {k}" for k, v in parts.items() if v)
+    reading.notes.append(f"LoRA target_modules '{targets}' (re.fullmatch on the module names "
+                         f"of {spec.name} built on the meta device): {counts} linears "
+                         f"({', '.join(language)})")
