@@ -75,6 +75,7 @@ def one_process(tiny_model_dir, tmp_path_factory):
     return root / "out"
 
 
+@pytest.mark.multirank
 @pytest.mark.slow  # several processes or kill/resume: in CI's slow run
 def test_oom_on_rank_1_splits_both_ranks_and_equals_one_process(one_process, tiny_model_dir,
                                                                 tmp_path):
@@ -97,6 +98,7 @@ def test_oom_on_rank_1_splits_both_ranks_and_equals_one_process(one_process, tin
     assert_same_weights(final_weights(one_process), final_weights(out))
 
 
+@pytest.mark.multirank
 @pytest.mark.slow
 def test_oom_after_the_backward_on_one_rank_exits_for_a_restart(tiny_model_dir, tmp_path):
     """An OOM after the agreement on one of two ranks cannot be matched in-process: that

@@ -216,6 +216,7 @@ def test_a_failure_that_is_not_an_oom_is_not_restarted(tmp_path, monkeypatch):
     assert "no out-of-memory error" in failed["message"]
 
 
+@pytest.mark.multirank
 @pytest.mark.slow
 def test_a_torchrun_job_that_exits_for_a_restart_is_relaunched(never_died, tiny_model_dir,
                                                                tmp_path, monkeypatch):

@@ -34,6 +34,7 @@ def single_process(tiny_model_dir, tmp_path_factory):
     return train(tiny_run_config(tiny_model_dir, out, **{"training.max_steps": 4})).run_dir
 
 
+@pytest.mark.multirank
 @pytest.mark.slow  # several processes or kill/resume: in CI's slow run
 def test_oom_on_rank_1_halves_the_micro_batch_on_both_ranks(single_process, run_config,
                                                              tmp_path):
@@ -59,6 +60,7 @@ def test_oom_on_rank_1_halves_the_micro_batch_on_both_ranks(single_process, run_
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [2, 3])
 def test_deepspeed_zero_two_processes_oom_on_rank_1(single_process, run_config, tmp_path, zero):
@@ -80,6 +82,7 @@ def test_deepspeed_zero_two_processes_oom_on_rank_1(single_process, run_config, 
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.multirank
 @pytest.mark.slow  # several processes or kill/resume: in CI's slow run
 def test_fsdp_oom_on_rank_1_then_kill_and_resume(run_config, tmp_path):
     """FSDP2 on gloo: recovery, a checkpoint of sharded state, and --resume."""
