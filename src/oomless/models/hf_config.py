@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UnknownFamilyError
-from . import hf_vision
+from . import hf_vision, hf_vision_remote
 from .families import tower_checkpointed
 from .hf_decoder import ConfigFields, chatglm_spec, chatglm_to_glm, decoder_spec
 from .quantization import quant_spec_from_config
@@ -21,8 +21,9 @@ from .spec import ModelSpec
 from .structure import checked_against_code, read_structure
 
 # model types the formulas read whose only implementation is the checkpoint's own code
-# (transformers has no class: Qwen-1 QWenLMHeadModel, Baichuan2 BaichuanForCausalLM)
-REMOTE_CODE_ONLY = frozenset({"qwen", "baichuan"})
+# (transformers has no class: Qwen-1 QWenLMHeadModel, Baichuan2 BaichuanForCausalLM,
+# MiniCPM-V MiniCPMV; its parts are checked in tests/test_catalog_params.py)
+REMOTE_CODE_ONLY = frozenset({"qwen", "baichuan", "minicpmv"})
 
 __all__ = ["buildable_hf_config", "chatglm_to_glm", "spec_from_hf_config"]
 
@@ -77,6 +78,10 @@ def _read_spec(config: dict[str, Any], name: str, where: str | None) -> ModelSpe
         return hf_vision.llava_spec(f, name)
     if model_type in {"qwen2_vl", "qwen2_5_vl"}:
         return hf_vision.qwen2_vl_spec(f, name, model_type)
+    if model_type == "internvl_chat":
+        return hf_vision_remote.internvl_chat_spec(f, name)
+    if model_type == "minicpmv":
+        return hf_vision_remote.minicpmv_spec(f, name)
     if model_type.startswith(("moe_llava", "llava")):  # LLaVA repo formats (mm_vision_tower)
         return hf_vision.moe_llava_spec(f, name, model_type)
     return decoder_spec(f, name, model_type)
@@ -85,8 +90,10 @@ def _read_spec(config: dict[str, Any], name: str, where: str | None) -> ModelSpe
 def buildable_hf_config(config: dict[str, Any]) -> dict[str, Any] | None:
     """The config dict to build the real model from with transformers, or None.
 
-    GLM-4 ``chatglm`` (text only) comes back as the equivalent ``glm`` config;
-    formats with no transformers class at all (GLM-4V, the LLaVA/MoE-LLaVA repo
+    GLM-4 ``chatglm`` (text only) comes back as the equivalent ``glm`` config, InternVL's
+    ``internvl_chat`` as transformers' ``internvl`` (the mapping of its own converter,
+    :func:`oomless.models.hf_vision_remote.internvl_chat_to_internvl`); formats with no
+    transformers class at all (GLM-4V, the LLaVA/MoE-LLaVA repo
     formats) give None; everything else comes back unchanged (a copy), for
     ``AutoConfig.for_model`` to accept or to reject with its own message.
     """
@@ -95,6 +102,8 @@ def buildable_hf_config(config: dict[str, Any]) -> dict[str, Any] | None:
         return None if config.get("vision_config") else chatglm_to_glm(config)
     if model_type in REMOTE_CODE_ONLY:
         return None
+    if model_type == "internvl_chat":  # as transformers' own converter maps it
+        return hf_vision_remote.internvl_chat_to_internvl(config)
     if model_type.startswith("moe_llava") or model_type.startswith("llava_"):
         return None
     if model_type == "llava" and config.get("text_config") is None:
