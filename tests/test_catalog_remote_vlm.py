@@ -126,10 +126,17 @@ def _minicpmv_parts(config: dict):
     return llm, vpm, resampler
 
 
+# tensors per module in the checkpoints' model.safetensors.index.json (copies named in
+# each entry's notes): vpm, llm (with lm_head), resampler
+INDEX_TENSORS = {"minicpm-llama3-v-2.5": (437, 291, 13), "minicpm-v-2.6": (437, 339, 13)}
+
+
 @pytest.mark.parametrize("name", MINICPMV)
 def test_minicpmv_count_is_the_composed_model_and_the_published_total(name):
     entry = get_entry(name)
     llm, vpm, resampler = _minicpmv_parts(entry.config)
+    tensors = tuple(len(list(m.parameters())) for m in (vpm, llm, resampler))
+    assert tensors == INDEX_TENSORS[name]
     spec = entry.spec
     assert spec.vision.projector_params == _count(resampler)
     assert spec.vision.param_count == _count(vpm) + _count(resampler)
