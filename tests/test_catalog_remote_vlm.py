@@ -226,3 +226,26 @@ def test_a_minicpmv_config_without_its_release_is_read_from_its_code(tmp_path):
 
     with pytest.raises(ModelConfigError, match="Pass --trust-remote-code"):
         api_resolve(str(tmp_path), trust_remote_code=False)
+
+
+def test_remote_code_that_imports_a_missing_package_is_a_clear_refusal(tmp_path, capsys):
+    """MiniCPM-V's modeling_minicpmv.py imports torchvision; where a package the code
+    imports is not installed, transformers raises ImportError: exit 2 naming it."""
+    pytest.importorskip("transformers")
+    import oomless.runtime.meta  # noqa: F401 - registers the structure reader
+    from oomless.cli import main
+
+    config = get_entry("minicpm-v-2.6").config
+    del config["version"]  # not read as data: the code is built
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "configuration_minicpm.py").write_text(
+        "from transformers import PretrainedConfig\n\n\n"
+        "class MiniCPMVConfig(PretrainedConfig):\n    model_type = 'minicpmv'\n")
+    (tmp_path / "modeling_minicpmv.py").write_text(
+        "import oomless_test_package_not_installed\n"
+        "from transformers import PreTrainedModel\n\n\n"
+        "class MiniCPMV(PreTrainedModel):\n    pass\n")
+    rc = main(["estimate", str(tmp_path), "--trust-remote-code", "--gpu", "a100-80gb"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "oomless_test_package_not_installed" in err
+    assert "internal error" not in err and "Traceback" not in err

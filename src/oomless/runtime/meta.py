@@ -138,6 +138,11 @@ def build_meta_model(config_obj: Any, trust_remote_code: bool) -> Any:
             except (AssertionError, TypeError, RuntimeError, AttributeError) as err:
                 last = err  # the class refuses the config (e.g. padding_idx ≥ vocabulary)
                 break
+            except ImportError as err:  # remote code importing a package not installed here
+                raise ModelConfigError(
+                    f"the model's own code (model type '{getattr(config_obj, 'model_type', '?')}')"
+                    f" cannot be imported here: {str(err).strip()}. Install what it names, or "
+                    "pass a catalog model (`oomless models`).") from None
     raise ModelConfigError(f"transformers could not build model type "
                            f"'{getattr(config_obj, 'model_type', '?')}' from its config: {last}")
 
