@@ -126,23 +126,47 @@ def _minicpmv_parts(config: dict):
     return llm, vpm, resampler
 
 
-# tensors per module in the checkpoints' model.safetensors.index.json (copies named in
-# each entry's notes): vpm, llm (with lm_head), resampler
-INDEX_TENSORS = {"minicpm-llama3-v-2.5": (437, 291, 13), "minicpm-v-2.6": (437, 339, 13)}
+REMOTE = ROOT / "tests" / "fixtures" / "remote_code"  # provenance in its README.md
+# the checkpoints' index (fp32 in 2.5, bf16 in 2.6) and the prefix of the language model's
+# keys (the 2.6 copy's rename_tensors.py stripped "llm.")
+INDEX = {"minicpm-llama3-v-2.5": ("minicpm-llama3-v-2_5", 4, "llm."),
+         "minicpm-v-2.6": ("minicpm-v-2_6", 2, "")}
 
 
 @pytest.mark.parametrize("name", MINICPMV)
-def test_minicpmv_count_is_the_composed_model_and_the_published_total(name):
+def test_minicpmv_count_is_the_composed_model_and_the_checkpoints_total(name):
     entry = get_entry(name)
     llm, vpm, resampler = _minicpmv_parts(entry.config)
-    tensors = tuple(len(list(m.parameters())) for m in (vpm, llm, resampler))
-    assert tensors == INDEX_TENSORS[name]
+    folder, dtype_bytes, llm_prefix = INDEX[name]
+    index = json.loads((REMOTE / folder / "model.safetensors.index.json").read_text())
+    keys = set(index["weight_map"])
+    composed = ({f"vpm.{n}" for n, _ in vpm.named_parameters()}
+                | {f"resampler.{n}" for n, _ in resampler.named_parameters()}
+                | {llm_prefix + n for n, _ in llm.named_parameters()})
+    assert composed == keys  # every tensor of the checkpoint, by name, and no other
     spec = entry.spec
     assert spec.vision.projector_params == _count(resampler)
     assert spec.vision.param_count == _count(vpm) + _count(resampler)
     assert spec.param_count == _count(llm) + _count(vpm) + _count(resampler)
-    assert spec.param_count == entry.published_params  # index.json total_size / dtype bytes
-    assert spec.vision.num_layers == len(vpm.encoder.layers) == 27
+    assert spec.param_count * dtype_bytes == index["metadata"]["total_size"]
+    assert spec.param_count == entry.published_params
+
+
+def test_minicpmv_2_6_tower_built_from_its_own_code_is_the_one_counted():
+    """The release's modeling_navit_siglip.py SiglipVisionTransformer on the meta device
+    (the composition above builds transformers' Idefics2VisionTransformer in its place)."""
+    torch = pytest.importorskip("torch")
+    spec_file = importlib.util.spec_from_file_location(
+        "minicpmv26_navit_siglip", REMOTE / "minicpm-v-2_6" / "modeling_navit_siglip.py")
+    navit = importlib.util.module_from_spec(spec_file)
+    spec_file.loader.exec_module(navit)
+    entry = get_entry("minicpm-v-2.6")
+    vision = {k: v for k, v in entry.config["vision_config"].items() if k != "model_type"}
+    with torch.device("meta"):
+        tower = navit.SiglipVisionTransformer(navit.SiglipVisionConfig(**vision))
+    assert _count(tower) == entry.spec.vision.param_count - entry.spec.vision.projector_params
+    _, vpm, _ = _minicpmv_parts(entry.config)
+    assert [n for n, _ in tower.named_parameters()] == [n for n, _ in vpm.named_parameters()]
 
 
 @pytest.mark.parametrize("drop, queries, lm_hidden", [(True, 4, 256), (False, 3, 128)])
