@@ -273,3 +273,52 @@ def test_remote_code_that_imports_a_missing_package_is_a_clear_refusal(tmp_path,
     err = capsys.readouterr().err
     assert rc == 2 and "oomless_test_package_not_installed" in err
     assert "internal error" not in err and "Traceback" not in err
+
+
+BUILD_INTERNVL = """
+import json, sys, types
+from torch import nn
+from accelerate import init_empty_weights
+
+class DropPath(nn.Module):  # timm is not installed; drop_path_rate 0.0 never builds one
+    def __init__(self, *args, **kwargs):
+        raise AssertionError("DropPath built")
+
+timm, models, layers = (types.ModuleType(n) for n in ("timm", "timm.models", "timm.models.layers"))
+layers.DropPath, timm.models, models.layers = DropPath, models, layers
+sys.modules.update({"timm": timm, "timm.models": models, "timm.models.layers": layers})
+sys.path.insert(0, sys.argv[1])
+from internvl.model.internvl_chat import InternVLChatConfig, InternVLChatModel
+
+out = {}
+for name, config in json.loads(sys.argv[2]).items():
+    kwargs = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type")}
+    with init_empty_weights():  # accelerate's way: parameters on meta, other tensors real
+        model = InternVLChatModel(InternVLChatConfig(**kwargs))
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    out[name] = [count(model), count(model.vision_model) + count(model.mlp1),
+                 count(model.mlp1), type(model.language_model).__name__]
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_internvl_built_from_its_own_code_counts_what_the_catalog_counts():
+    """OpenGVLab/InternVL's InternVLChatModel (fixtures/remote_code/internvl) built from each
+    catalog config, in a process of its own (its package and the timm name stay out of this one)."""
+    pytest.importorskip("accelerate")
+    names = ("internvl2.5-8b", "internvl2.5-1b")
+    configs = json.dumps({n: get_entry(n).config for n in names})
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", BUILD_INTERNVL, str(REMOTE / "internvl"),
+                           configs], env=env, capture_output=True, text=True, timeout=300)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-3000:]
+    built = json.loads(line[-1].removeprefix("RESULT "))
+    for name in names:
+        spec = get_entry(name).spec
+        total, vision, projector, lm_class = built[name]
+        assert (total, vision, projector) == (
+            spec.param_count, spec.vision.param_count, spec.vision.projector_params)
+        assert lm_class == {"internvl2.5-8b": "InternLM2ForCausalLM",
+                            "internvl2.5-1b": "Qwen2ForCausalLM"}[name]
