@@ -295,17 +295,27 @@ def smallest_fitting_parallel(spec: ModelSpec, gpu: GPUSpec, req: EngineRequest,
     """The smallest engine (TP within a node first, then PP across nodes, as vLLM's docs
     advise) that holds one full-length sequence; the GPUs left over become data-parallel
     replicas. None when even every GPU is not enough."""
+    for trial in parallel_shapes(spec, req, gpus_per_node, nodes):
+        _, budget = vllm_engine_args(spec, gpu, trial)
+        if budget.fits:
+            return trial
+    return None
+
+
+def parallel_shapes(spec: ModelSpec, req: EngineRequest, gpus_per_node: int,
+                    nodes: int = 1) -> list[EngineRequest]:
+    """Every engine shape vLLM accepts on the cluster, smallest first: TP within a node
+    (a divisor of the attention heads), then PP across nodes; the GPUs left over become
+    data-parallel replicas of a one-node engine."""
     tps = [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and spec.num_heads % t == 0]
     shapes = [(t, 1) for t in tps] + [(tps[-1], p) for p in range(2, nodes + 1)
                                       if p <= spec.num_layers]
+    out = []
     for tp, pp in shapes:
-        trial = replace(req, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                        data_parallel_size=1, nodes=1 if pp == 1 else nodes)
-        _, budget = vllm_engine_args(spec, gpu, trial)
-        if budget.fits:
-            dp = (gpus_per_node * nodes) // (tp * pp) if pp == 1 else 1
-            return replace(trial, data_parallel_size=max(1, dp))
-    return None
+        dp = (gpus_per_node * nodes) // (tp * pp) if pp == 1 else 1
+        out.append(replace(req, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                           data_parallel_size=max(1, dp), nodes=1 if pp == 1 else nodes))
+    return out
 
 
 def parallel_hint(spec: ModelSpec, cluster, req: EngineRequest, budget: VllmBudget) -> dict | None:
