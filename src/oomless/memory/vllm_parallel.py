@@ -162,12 +162,13 @@ def kv_layers_per_gpu(spec: ModelSpec, par: VllmParallel) -> int:
     return max(stage_layers(spec.num_layers, par.pipeline_parallel_size))
 
 
-def comm_buffer_bytes(par: VllmParallel) -> int:
+def comm_buffer_bytes(par: VllmParallel, custom_ar: bool = True) -> int:
     """Non-torch memory of vLLM's communicators per GPU: NCCL when an engine spans more than
-    one GPU, plus the custom all-reduce buffers for supported TP sizes."""
+    one GPU, plus the custom all-reduce buffers for supported TP sizes (``custom_ar``: the
+    release has them)."""
     if par.engine_gpus == 1:
         return 0
-    custom = CUSTOM_AR_BYTES if par.tensor_parallel_size in CUSTOM_AR_WORLD_SIZES else 0
+    custom = CUSTOM_AR_BYTES if custom_ar and par.tensor_parallel_size in CUSTOM_AR_WORLD_SIZES else 0
     return C.NCCL_BYTES + custom
 
 
