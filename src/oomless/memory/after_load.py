@@ -32,8 +32,11 @@ loading full-precision tensors to GPU faster than the main thread can quantize t
 walking the checkpoint's names in ``dot_natural_key`` order; each tensor is materialised
 on its device in 16-bit (``_materialize_copy``), converted, set, and dropped (``del
 realized_value``). A checkpoint shard never reaches the GPU whole (safetensors slices are
-read per tensor; transformers 4.x read the shard into CPU memory with
-``load_state_dict`` and moved one parameter at a time the same way). The conversions:
+read per tensor). transformers 4.43 did the same per parameter from a shard read into CPU
+memory (modeling_utils.py ``load_state_dict`` to "cpu"; quantizers/quantizer_bnb_4bit.py
+``create_quantized_param``: ``Params4bit(param_value.to("cpu")).to(target_device)``, which
+quantizes on the GPU), in the shard's key order rather than the natural-key order used
+here. The conversions:
 
 - 4-bit (integrations/bitsandbytes.py ``Bnb4bitQuantize``): ``Params4bit(value).to(device)``
   → bitsandbytes 0.50 ``Params4bit._quantize`` → ``functional.quantize_4bit``: the CUDA op
