@@ -36,7 +36,7 @@ from ..memory.inference import vllm_engine_args as vllm_engine_args_for
 from ..models.families import family_facts
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
-from .serving import choose_engine
+from .serving import SERVING_ASSUMPTIONS, choose_engine
 
 DEFAULT_MAX_NEW_TOKENS = 512  # inference length when the plan has no generation setting
 DATA_PLACEHOLDER = "YOUR_TRAINING_DATA.jsonl"  # written when `plan` got no --data
@@ -315,7 +315,8 @@ def write_plan_files(out_dir: str | Path, cfg: RunConfig, spec: ModelSpec, clust
     written["vllm.json"] = json.dumps(engine, indent=2) + "\n"
     written["README.md"] = readme(cfg, list(written), data is None, steps, family)
     if engine_why:
-        written["README.md"] += f"\nvllm.json: the model does not fit one GPU; {engine_why}.\n"
+        written["README.md"] += (f"\nvllm.json: the model does not fit one GPU; {engine_why}. "
+                                 f"Assumed: {'; '.join(SERVING_ASSUMPTIONS)}.\n")
     for name in written:
         refuse_inputs(out / name, inputs, "--out")
     folder.prepare(list(written), known=PLAN_FILES)
