@@ -14,9 +14,9 @@ vllm/model_executor/layers/linear.py, v0.6.5 and the v0.11 line alike), and a Ll
 decoder layer has two of them, ``o_proj`` (attention) and ``down_proj`` (MLP)
 (vllm/model_executor/models/llama.py ``LlamaAttention``, ``LlamaMLP``). A ring all-reduce
 moves ``2 (t − 1) / t`` of the message per GPU over the GPU's interconnect (NCCL's ring
-algorithm; the catalog's NVLink or PCIe figure, the inter-node figure past one node) and
+algorithm; the catalog's NVLink or PCIe figure: a TP group stays inside one node) and
 costs a launch latency besides. Pipeline stages run one after another for one batch (no
-overlap is counted). Replicas (data parallel) multiply the engine's throughput.
+overlap is counted; their point-to-point transfers are not). Replicas (data parallel) multiply the engine's throughput.
 
 Two engines that both hold ``max_num_seqs`` full-length sequences read the same bytes per
 GPU, so the larger TP loses exactly its all-reduce time and the smaller wins; a larger TP
@@ -36,7 +36,7 @@ from ..memory.inference import (
 )
 from ..models.hardware import GPUSpec
 from ..models.spec import ModelSpec
-from .speed import BANDWIDTH_EFFICIENCY, COLLECTIVE_EFFICIENCY, INTER_NODE_GBS
+from .speed import BANDWIDTH_EFFICIENCY, COLLECTIVE_EFFICIENCY
 
 # vLLM's RowParallelLinear all-reduces o_proj and down_proj: two per decoder layer forward
 TP_ALLREDUCES_PER_LAYER = 2
@@ -91,11 +91,11 @@ def decode_speed(spec: ModelSpec, gpu: GPUSpec, req: EngineRequest,
     kv_read = batch * (req.max_model_len / 2) * budget.block_bytes / VLLM_DEFAULT_BLOCK_SIZE
     read_s = (budget.weights_bytes + kv_read) / (gpu.memory_bandwidth_gbs * 1e9
                                                  * BANDWIDTH_EFFICIENCY)
-    link = gpu.interconnect_gbs if req.nodes == 1 or pp == 1 else min(gpu.interconnect_gbs,
-                                                                      INTER_NODE_GBS)
+    # a TP group stays inside one node (parallel_shapes): the GPU's own interconnect
     layers = spec.num_layers // pp
     message = batch * spec.hidden_size * ACTIVATION_BYTES
-    comm_s = TP_ALLREDUCES_PER_LAYER * layers * allreduce_seconds(message, tp, link)
+    comm_s = TP_ALLREDUCES_PER_LAYER * layers * allreduce_seconds(message, tp,
+                                                                  gpu.interconnect_gbs)
     step_s = (read_s + comm_s) * pp
     return ServingSpeed(tp, pp, req.data_parallel_size, batch, read_s * pp, comm_s * pp,
                         step_s, req.data_parallel_size * batch / step_s)
