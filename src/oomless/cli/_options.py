@@ -261,7 +261,8 @@ def add_stack_options(g: Any) -> None:
     g.add_argument("--transformers-version", metavar="X.Y",
                    help="transformers release of the run (default: the installed one)")
     g.add_argument("--stack-version", metavar="X.Y",
-                   help="release of the stack's own package, e.g. trl (default: installed)")
+                   help="release of the stack's own package, e.g. trl (default: installed); "
+                   "with --inference --engine vllm, the vLLM release whose KV sizing applies")
 
 
 def _is_run_file(text: str) -> bool:

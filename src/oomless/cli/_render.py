@@ -96,6 +96,11 @@ def render_estimate(est: MemoryEstimate, show_assumptions: bool = False) -> None
     out.print(f"phases (allocated): {phases}")
     if est.host_ram_bytes:
         out.print(f"host RAM for offload: {fmt_bytes(est.host_ram_bytes)} per node")
+    if est.extra.get("reserved_after_load_bytes"):
+        loaded = est.extra["reserved_after_load_bytes"]
+        cached = loaded - est.extra.get("allocated_after_load_bytes", loaded)
+        out.print(f"reserved after loading (before the first step): {fmt_bytes(loaded)}, "
+                  f"{fmt_bytes(cached)} of it cached but free")
     if est.extra.get("paged_optimizer_bytes"):
         out.print(f"paged optimizer states (unified memory): "
                   f"{fmt_bytes(est.extra['paged_optimizer_bytes'])}")

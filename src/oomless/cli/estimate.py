@@ -130,7 +130,9 @@ def vllm_estimate(args: argparse.Namespace, cfg, spec, cluster) -> tuple[dict, A
                         trust_remote_code=cfg.training.trust_remote_code,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
-                        data_parallel_size=args.data_parallel_size, nodes=cluster.nodes)
+                        data_parallel_size=args.data_parallel_size, nodes=cluster.nodes,
+                        # --stack-version names the vLLM release (its profiling rule)
+                        engine_version=cfg.stack_options.stack_version)
     check_parallel(spec, req.parallel, cluster.world_size)
     engine, budget = vllm_engine_args(spec, cluster.gpu, req)
     return engine, budget, parallel_hint(spec, cluster, req, budget)

@@ -62,6 +62,11 @@ def cublas_workspace_bytes(compute_capability: str) -> int:
 # device code; reports range 200–600 MiB per GPU in data-parallel jobs. We take
 # 300 MiB per GPU when world size > 1.
 NCCL_BYTES = 300 * MiB
+# NCCL's NVLink SHARP (NVLS) buffers are not counted: NVIDIA/nccl v2.21.5 (the
+# nvidia-nccl-cu12 pinned by torch 2.5.1, vLLM 0.6.5's torch) src/transport/nvls.cc
+# ncclNvlsInit leaves NVLS off for communicators of two GPUs or fewer, and with its default
+# NCCL_NVLS_ENABLE=2 on only where the device reports multicast support (NVSwitch systems).
+NCCL_NVLS_MIN_GPUS = 3
 
 # --- caching allocator --------------------------------------------------------
 # Reserved-but-unallocated memory at the peak (fragmentation and cached

@@ -22,6 +22,7 @@ from ..models.hardware import GPUSpec
 from ..models.spec import ModelSpec
 from ..units import GiB, MiB
 from . import constants as C
+from .stacks import version_tuple
 from .training import kv_cache_bytes
 from .vllm_parallel import (
     VllmParallel,
@@ -50,6 +51,62 @@ MAX_UTILIZATION = 0.95
 ENGINE_CONTEXT_BYTES = C.CUDA_CONTEXT_BYTES
 # vLLM's supported LoRA ranks (vllm/config/lora.py, MaxLoRARanks)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True)
+class VllmProfileRule:
+    """What one vLLM release subtracts from ``utilization × total`` besides the weights and
+    the torch peak of its profile run, read from its worker's profiling code."""
+
+    since: str  # the first release with this rule
+    context: bool  # the worker's CUDA context
+    comm: bool  # NCCL (and, from 0.3.0, custom all-reduce) buffers
+    others: bool  # memory other processes hold on the card
+    source: str
+
+
+# vllm/worker/worker.py of each release, read from the PyPI wheels (vllm==X):
+VLLM_PROFILE_RULES = (
+    VllmProfileRule("0.0", False, False, False, "0.2.4 profile_num_available_blocks: "
+                    "peak_memory = torch.cuda.max_memory_allocated() (PyTorch only)"),
+    VllmProfileRule("0.2.5", True, True, True, "0.2.5 (PR 2031): peak_memory = total − free "
+                    "after the profile run: everything on the card"),
+    VllmProfileRule("0.3.1", False, True, False, "0.3.1–0.6.3: peak_memory = init_gpu_memory "
+                    "− free, init_gpu_memory read after torch.cuda.set_device, before NCCL"),
+    VllmProfileRule("0.6.4", True, True, True, "0.6.4 (PR 9352): torch peak + (total − free − "
+                    "torch allocated) after empty_cache"),
+    VllmProfileRule("0.6.5", False, True, False, "0.6.5 (PR 10511) V0 worker, "
+                    "vllm/utils.py memory_profiling: non-torch increase over the baseline read "
+                    "in init_device before init_worker_distributed_environment"),
+)
+# Releases from here use today's V1 modelling (no rule row): vLLM 0.8 made V1 the default
+VLLM_RULES_READ_UNTIL = "0.8"
+# vLLM 0.3.0 added the custom all-reduce (parallel_utils/custom_all_reduce.py in its wheel)
+VLLM_CUSTOM_AR_SINCE = "0.3.0"
+# V0's SchedulerConfig without chunked prefill: max(max_model_len, 2048) tokens (vllm/config.py
+# of 0.2.5 and 0.6.5)
+VLLM_V0_MIN_BATCHED_TOKENS = 2048
+
+
+def profile_rule(engine_version: str | None) -> VllmProfileRule | None:
+    """The rule of a vLLM release (None: today's engine, or a release past the table)."""
+    if not engine_version or version_tuple(engine_version) >= version_tuple(VLLM_RULES_READ_UNTIL):
+        return None
+    return [r for r in VLLM_PROFILE_RULES
+            if version_tuple(r.since) <= version_tuple(engine_version)][-1]
+
+
+def _non_kv_extra(par: VllmParallel, rule: VllmProfileRule | None, version: str | None,
+                  other_processes_bytes: int) -> int:
+    """Memory besides weights and the torch peak that the engine subtracts from its budget."""
+    if rule is None:
+        return C.CUDA_CONTEXT_BYTES + comm_buffer_bytes(par)
+    comm = 0
+    if rule.comm:
+        comm = comm_buffer_bytes(par, custom_ar=version_tuple(version) >= version_tuple(
+            VLLM_CUSTOM_AR_SINCE))
+    return ((C.CUDA_CONTEXT_BYTES if rule.context else 0) + comm
+            + (other_processes_bytes if rule.others else 0))
 
 
 def weight_bytes_16bit(spec: ModelSpec, elem_bytes: int = 2) -> int:
@@ -143,7 +200,9 @@ def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs:
                 block_size: int = VLLM_DEFAULT_BLOCK_SIZE,
                 max_num_batched_tokens: int | None = None, lora_rank: int = 0,
                 max_loras: int = 1, used_by_others_bytes: int = 0,
-                headroom: float = 0.02, parallel: VllmParallel | None = None) -> VllmBudget:
+                headroom: float = 0.02, parallel: VllmParallel | None = None,
+                engine_version: str | None = None,
+                other_processes_bytes: int = 0) -> VllmBudget:
     """vLLM's memory arithmetic; with no utilization given, choose the smallest
     that holds ``max_num_seqs`` sequences of ``max_model_len`` tokens (+ headroom),
     capped by MAX_UTILIZATION and by what other processes leave free (then
@@ -158,10 +217,12 @@ def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs:
         # (the B side split like the base layer's output under TP: counted whole, an upper bound).
         per = sum(lin.in_features + lin.out_features for lin in spec.layer_linears())
         weights += max_loras * lora_rank * per * kv_layers_per_gpu(spec, par) * 2
-    batched = max_num_batched_tokens or max(VLLM_DEFAULT_BATCHED_TOKENS, 0)
+    rule = profile_rule(engine_version)
+    batched = max_num_batched_tokens or (max(max_model_len, VLLM_V0_MIN_BATCHED_TOKENS) if rule
+                                         else VLLM_DEFAULT_BATCHED_TOKENS)
     batched = min(batched, max(max_model_len, batched))
     profile = forward_peak_bytes(spec, batched, tp=tp) + 3 * 4 * max_num_seqs * spec.vocab_size
-    non_torch = C.CUDA_CONTEXT_BYTES + comm_buffer_bytes(par)
+    non_torch = _non_kv_extra(par, rule, engine_version, other_processes_bytes)
     non_kv = weights + profile + non_torch
     block = kv_block_bytes(spec, block_size, kv_b, par)
     blocks_needed = max_num_seqs * math.ceil(max_model_len / block_size)
@@ -192,7 +253,8 @@ def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs:
         cudagraphs_fit=budget + VLLM_CUDAGRAPH_BYTES <= total - used_by_others_bytes,
         tensor_parallel_size=tp, pipeline_parallel_size=par.pipeline_parallel_size,
         data_parallel_size=par.data_parallel_size,
-        assumptions=tuple(parallel_assumptions(spec, par)),
+        assumptions=tuple(parallel_assumptions(spec, par)) + (
+            (f"vLLM {engine_version}: {rule.source}",) if rule else ()),
     )
 
 
@@ -242,6 +304,7 @@ class EngineRequest:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     nodes: int = 1  # an engine across nodes runs on vLLM's Ray backend
+    engine_version: str | None = None  # the vLLM release whose profiling rule applies
 
     @property
     def parallel(self) -> VllmParallel:
@@ -259,7 +322,8 @@ def vllm_engine_args(spec: ModelSpec, gpu: GPUSpec, req: EngineRequest,
                          gpu_memory_utilization=req.gpu_memory_utilization, lora_rank=rank,
                          kv_cache_dtype=req.kv_cache_dtype,
                          used_by_others_bytes=used_by_others_bytes + ENGINE_CONTEXT_BYTES,
-                         parallel=req.parallel)
+                         parallel=req.parallel, engine_version=req.engine_version,
+                         other_processes_bytes=used_by_others_bytes)
     args: dict = {
         "model": served_model_id(req.model), "dtype": req.dtype,
         "max_model_len": req.max_model_len,
@@ -295,17 +359,27 @@ def smallest_fitting_parallel(spec: ModelSpec, gpu: GPUSpec, req: EngineRequest,
     """The smallest engine (TP within a node first, then PP across nodes, as vLLM's docs
     advise) that holds one full-length sequence; the GPUs left over become data-parallel
     replicas. None when even every GPU is not enough."""
+    for trial in parallel_shapes(spec, req, gpus_per_node, nodes):
+        _, budget = vllm_engine_args(spec, gpu, trial)
+        if budget.fits:
+            return trial
+    return None
+
+
+def parallel_shapes(spec: ModelSpec, req: EngineRequest, gpus_per_node: int,
+                    nodes: int = 1) -> list[EngineRequest]:
+    """Every engine shape vLLM accepts on the cluster, smallest first: TP within a node
+    (a divisor of the attention heads), then PP across nodes; the GPUs left over become
+    data-parallel replicas of a one-node engine."""
     tps = [t for t in (1, 2, 4, 8, 16) if t <= gpus_per_node and spec.num_heads % t == 0]
     shapes = [(t, 1) for t in tps] + [(tps[-1], p) for p in range(2, nodes + 1)
                                       if p <= spec.num_layers]
+    out = []
     for tp, pp in shapes:
-        trial = replace(req, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                        data_parallel_size=1, nodes=1 if pp == 1 else nodes)
-        _, budget = vllm_engine_args(spec, gpu, trial)
-        if budget.fits:
-            dp = (gpus_per_node * nodes) // (tp * pp) if pp == 1 else 1
-            return replace(trial, data_parallel_size=max(1, dp))
-    return None
+        dp = (gpus_per_node * nodes) // (tp * pp) if pp == 1 else 1
+        out.append(replace(req, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                           data_parallel_size=max(1, dp), nodes=1 if pp == 1 else nodes))
+    return out
 
 
 def parallel_hint(spec: ModelSpec, cluster, req: EngineRequest, budget: VllmBudget) -> dict | None:

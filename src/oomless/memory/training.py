@@ -16,6 +16,13 @@ from ..models.spec import ModelSpec
 from ..result import MemoryEstimate
 from . import constants as C
 from .activations import LayerPlan, layer_activation_bytes
+from .after_load import (
+    after_load_tensors,
+    load_assumption,
+    reserved_after_load,
+    unsloth_load_assumptions,
+    unsloth_rope_table_bytes,
+)
 from .gemma import (
     effective_attn,
     gemma_assumptions,
@@ -39,7 +46,6 @@ from .stages import (
     stage_plan,
 )
 from .states import States, fp32_upcast_params, lora_targets, model_states
-from .unsloth_load import unsloth_load_assumptions, unsloth_rope_table_bytes
 from .vision import (
     image_tokens,
     merged_input_bytes,
@@ -289,11 +295,19 @@ def estimate_training(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None =
     """
     phases, gpu_state, st = training_phases(spec, cfg, cluster)
     assumptions = list(st.assumptions) + _training_assumptions(spec, cfg)
+    extra = {}
+    # ZeRO-3 / FSDP place the weights through their own sharded loading: not replayed
+    loaded = reserved_after_load(spec, cfg, after_load_tensors(spec, cfg)) \
+        if cfg.zero != 3 else None
+    if loaded:  # bitsandbytes QLoRA: the loader's stream through the allocator model
+        extra["reserved_after_load_bytes"] = loaded["reserved_bytes"]
+        extra["allocated_after_load_bytes"] = loaded["allocated_bytes"]
+        assumptions.append(load_assumption(spec, cfg, loaded))
     return finish_estimate(
         spec=spec, cfg=cfg, cluster=cluster, phases=phases, persistent=gpu_state,
         trainable=st.trainable_params, host_bytes=st.host_bytes, paged_bytes=st.paged_bytes,
         assumptions=assumptions, expandable_segments=expandable_segments,
-        largest_block=largest_block_bytes(spec, cfg),
+        largest_block=largest_block_bytes(spec, cfg), extra=extra,
     )
 
 

@@ -162,12 +162,13 @@ def kv_layers_per_gpu(spec: ModelSpec, par: VllmParallel) -> int:
     return max(stage_layers(spec.num_layers, par.pipeline_parallel_size))
 
 
-def comm_buffer_bytes(par: VllmParallel) -> int:
+def comm_buffer_bytes(par: VllmParallel, custom_ar: bool = True) -> int:
     """Non-torch memory of vLLM's communicators per GPU: NCCL when an engine spans more than
-    one GPU, plus the custom all-reduce buffers for supported TP sizes."""
+    one GPU, plus the custom all-reduce buffers for supported TP sizes (``custom_ar``: the
+    release has them)."""
     if par.engine_gpus == 1:
         return 0
-    custom = CUSTOM_AR_BYTES if par.tensor_parallel_size in CUSTOM_AR_WORLD_SIZES else 0
+    custom = CUSTOM_AR_BYTES if custom_ar and par.tensor_parallel_size in CUSTOM_AR_WORLD_SIZES else 0
     return C.NCCL_BYTES + custom
 
 
@@ -178,8 +179,11 @@ def parallel_assumptions(spec: ModelSpec, par: VllmParallel) -> list[str]:
     notes = [f"vLLM TP {tp} × PP {par.pipeline_parallel_size} × DP {par.data_parallel_size}: "
              "figures are per GPU for the fullest rank (linears, embedding and LM head split "
              "as vLLM's parallel layers split them; norms whole on every rank)",
-             "NCCL buffers: 300 MiB per GPU (NCCL_BUFFSIZE per channel and peer; more with "
-             "NVLink SHARP/NVLS on NVSwitch systems — NCCL_NVLS_ENABLE=0 settles it)"]
+             "NCCL buffers: 300 MiB per GPU (NCCL_BUFFSIZE per channel and peer)" + (
+                 "; NCCL's NVLink SHARP (NVLS) buffers, which NCCL adds for 3+ GPUs on NVSwitch "
+                 "systems, are not counted — NCCL_NVLS_ENABLE=0 settles it"
+                 if par.engine_gpus >= C.NCCL_NVLS_MIN_GPUS else
+                 "; NCCL leaves NVLink SHARP off for two GPUs")]
     if spec.num_kv_heads < tp:
         notes.append(f"{spec.num_kv_heads} KV heads < TP {tp}: each rank keeps one replicated "
                      "KV head (vLLM's num_kv_head_replicas)")

@@ -31,11 +31,12 @@ from typing import Any
 from ..config import RunConfig, dump_run_config
 from ..fileio import OutputFolder, refuse_inputs
 from ..knobs import ATTENTIONS, OPTIMIZERS
-from ..memory.inference import EngineRequest, needs_remote_code, smallest_fitting_parallel
+from ..memory.inference import EngineRequest, needs_remote_code
 from ..memory.inference import vllm_engine_args as vllm_engine_args_for
 from ..models.families import family_facts
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
+from .serving import SERVING_ASSUMPTIONS, choose_engine
 
 DEFAULT_MAX_NEW_TOKENS = 512  # inference length when the plan has no generation setting
 DATA_PLACEHOLDER = "YOUR_TRAINING_DATA.jsonl"  # written when `plan` got no --data
@@ -216,26 +217,35 @@ def llamafactory_config(cfg: RunConfig, spec: ModelSpec, model_id: str, family: 
 
 def vllm_engine_args(cfg: RunConfig, spec: ModelSpec, cluster: Cluster,
                      model_id: str) -> dict[str, Any]:
+    """vllm.json's arguments (:func:`vllm_plan` without its reason)."""
+    return vllm_plan(cfg, spec, cluster, model_id)[0]
+
+
+def vllm_plan(cfg: RunConfig, spec: ModelSpec, cluster: Cluster,
+              model_id: str) -> tuple[dict[str, Any], str]:
     """vLLM EngineArgs for generation with the trained model (memory.inference's, as
     `oomless infer` uses them): max_model_len = cutoff + max_new_tokens; the largest
     max_num_seqs (256 down, halving) whose full-length sequences the card holds at a
     utilization the memory model computes; one GPU per engine, or, when the weights do not
-    fit one, the smallest tensor (then pipeline) parallel engine that holds a sequence."""
+    fit one, the fitting tensor (then pipeline) parallel engine with the most decode
+    tokens/s on the cluster (oomless.planner.serving.choose_engine: the same bytes per GPU, plus TP's
+    all-reduces; a larger TP only where its KV cache holds more sequences)."""
     new_tokens = cfg.eval.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     req = EngineRequest(model=model_id, max_model_len=cfg.seq_len + new_tokens,
                         lora_rank=0 if cfg.method == "full" else cfg.lora.r,
                         trust_remote_code=cfg.training.trust_remote_code)
     args, budget = vllm_engine_args_for(spec, cluster.gpu, req)
+    why = ""
     if not budget.fits and cluster.world_size > 1:
-        req = smallest_fitting_parallel(spec, cluster.gpu, req, cluster.gpus_per_node,
-                                        cluster.nodes) or req
+        chosen, why = choose_engine(spec, cluster.gpu, req, cluster.gpus_per_node, cluster.nodes)
+        req = chosen or req
         args, budget = vllm_engine_args_for(spec, cluster.gpu, req)
     while (not budget.fits or not budget.holds_max_num_seqs) and req.max_num_seqs > 1:
         req = replace(req, max_num_seqs=req.max_num_seqs // 2)
         args, budget = vllm_engine_args_for(spec, cluster.gpu, req)
     if cfg.method != "full":
         args["max_loras"] = 1
-    return args
+    return args, why
 
 
 def readme(cfg: RunConfig, files: list[str], placeholder: bool, steps: int | None,
@@ -301,9 +311,12 @@ def write_plan_files(out_dir: str | Path, cfg: RunConfig, spec: ModelSpec, clust
                                                indent=2) + "\n"
     written["llamafactory.yaml"] = yaml.safe_dump(
         llamafactory_config(cfg, spec, model_id, family, ds_name), sort_keys=False)
-    written["vllm.json"] = json.dumps(vllm_engine_args(cfg, spec, cluster, model_id),
-                                      indent=2) + "\n"
+    engine, engine_why = vllm_plan(cfg, spec, cluster, model_id)
+    written["vllm.json"] = json.dumps(engine, indent=2) + "\n"
     written["README.md"] = readme(cfg, list(written), data is None, steps, family)
+    if engine_why:
+        written["README.md"] += (f"\nvllm.json: the model does not fit one GPU; {engine_why}. "
+                                 f"Assumed: {'; '.join(SERVING_ASSUMPTIONS)}.\n")
     for name in written:
         refuse_inputs(out / name, inputs, "--out")
     folder.prepare(list(written), known=PLAN_FILES)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from oomless.config import RunConfig
+from oomless.memory.after_load import unsloth_load_assumptions, unsloth_rope_table_bytes
 from oomless.memory.training import estimate_training
-from oomless.memory.unsloth_load import unsloth_load_assumptions, unsloth_rope_table_bytes
 from oomless.models.catalog import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
