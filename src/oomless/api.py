@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from .config import RunConfig
 from .errors import ConfigError
@@ -15,6 +16,9 @@ from .models.catalog import resolve_model as _resolve
 from .models.hardware import Cluster, get_gpu
 from .result import MemoryEstimate
 from .units import GiB, fmt_bytes
+
+if TYPE_CHECKING:
+    from .memory.inference import GenerateEstimate, VllmBudget
 
 
 def resolve_model(text: str, trust_remote_code: bool | None = None) -> ResolvedModel:
@@ -78,3 +82,74 @@ def estimate(cfg: RunConfig, expandable_segments: bool = False, *, model: str | 
     est = estimate_training(spec, cfg, cluster, expandable_segments=expandable_segments)
     check_host_ram(est, cluster)
     return est
+
+
+@dataclass(frozen=True)
+class InferenceOptions:
+    """`oomless estimate --inference`'s own options, with its flags' defaults."""
+
+    engine: str = "vllm"  # "hf" (model.generate) or "vllm"
+    max_model_len: int | None = None  # vLLM; None: seq_len + max_new_tokens
+    max_num_seqs: int = 256
+    gpu_memory_utilization: float | None = None
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class InferenceEstimate:
+    """Inference memory of a run configuration: HF generate's (``generate``) or a vLLM
+    engine's arguments, per-GPU budget and the parallel sizes that would fit (or None)."""
+
+    model_name: str
+    cluster: Cluster | None
+    generate: GenerateEstimate | None = None
+    engine_args: dict | None = None
+    budget: VllmBudget | None = None
+    suggested_parallel: dict | None = None
+
+
+def estimate_inference(cfg: RunConfig, options: InferenceOptions, *,
+                       gpu_fix: str = "e.g. --gpu a100-80gb") -> InferenceEstimate:
+    """`oomless estimate --inference` of a run configuration (the command line and the
+    web page both call it). The vLLM engine needs the GPU ``cfg.hardware`` names; without
+    one the ConfigError ends with ``gpu_fix``, the caller's way to name one."""
+    from .memory import estimate_generate
+
+    spec = resolve_model(cfg.model).spec
+    new_tokens = cfg.eval.max_new_tokens or 512
+    cluster = cluster_for(cfg)
+    if options.engine == "hf":
+        generate = estimate_generate(spec, cfg.micro_batch_size, cfg.seq_len, new_tokens)
+        return InferenceEstimate(spec.name, cluster, generate=generate)
+    if cluster is None:
+        raise ConfigError("--inference --engine vllm needs --gpu (vLLM's budget is a "
+                          f"fraction of the card's memory); {gpu_fix}")
+    return _vllm_estimate(cfg, options, spec, cluster, new_tokens)
+
+
+def _vllm_estimate(cfg: RunConfig, options: InferenceOptions, spec, cluster: Cluster,
+                   new_tokens: int) -> InferenceEstimate:
+    from .memory.inference import EngineRequest, parallel_hint, vllm_engine_args
+    from .memory.vllm_parallel import check_parallel
+
+    # LoRA slots only for an adapter the run says it trains (--method lora/qlora or the YAML)
+    adapter = cfg.method != "full" and "method" in cfg.model_fields_set
+    req = EngineRequest(model=cfg.model,
+                        max_model_len=options.max_model_len or cfg.seq_len + new_tokens,
+                        max_num_seqs=options.max_num_seqs,
+                        gpu_memory_utilization=options.gpu_memory_utilization,
+                        lora_rank=cfg.lora.r if adapter else 0,
+                        kv_cache_dtype=options.kv_cache_dtype,
+                        trust_remote_code=cfg.training.trust_remote_code,
+                        tensor_parallel_size=options.tensor_parallel_size,
+                        pipeline_parallel_size=options.pipeline_parallel_size,
+                        data_parallel_size=options.data_parallel_size, nodes=cluster.nodes,
+                        # --stack-version names the vLLM release (its profiling rule)
+                        engine_version=cfg.stack_options.stack_version)
+    check_parallel(spec, req.parallel, cluster.world_size)
+    engine, budget = vllm_engine_args(spec, cluster.gpu, req)
+    return InferenceEstimate(spec.name, cluster, engine_args=engine, budget=budget,
+                             suggested_parallel=parallel_hint(spec, cluster, req, budget))

@@ -1,7 +1,7 @@
 """One table per knob: optimizers, attention kinds and training methods.
 
 Adding an optimizer (or an attention kind) means adding one row here: the run
-configuration's accepted values (``config.py``), the CLI's choices, the memory
+configuration's accepted values (oomless.config.sections), the CLI's choices, the memory
 model's state bytes (``memory/states.py``), the names other tools use in their
 files (``check`` reads them, ``plan --out`` writes them), the class the
 runtime builds and what ``diagnose`` may suggest all read these rows.

@@ -1,5 +1,5 @@
 """Caps on every numeric input: one table read by the CLI's option types
-(``cli/_options.py``), RunConfig's validation (``config.py``: every ``oomless.yaml`` and
+(``cli/_options.py``), RunConfig's validation (oomless.config: every ``oomless.yaml`` and
 the web page, whose requests become RunConfigs) and the planner's request
 (``planner/request.py``: the effective batch, the GPU count, the plans shown).
 

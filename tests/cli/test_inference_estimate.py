@@ -62,3 +62,26 @@ def test_estimate_and_infer_print_the_same_engine_arguments(capsys, model, hf_id
     assert estimated == printed
     args = json.loads(printed)
     assert args["model"] == hf_id and args["trust_remote_code"] is remote
+
+
+def test_the_library_entry_takes_the_flags_defaults_and_gives_the_clis_numbers(capsys):
+    """oomless.api.estimate_inference is what `estimate --inference` (and the web page)
+    call: its options' defaults are the flags', and a caller from Python gets the same
+    engine arguments and budget as the command."""
+    from dataclasses import asdict
+
+    from oomless.api import InferenceOptions, estimate_inference
+    from oomless.cli import build_parser
+    from oomless.cli._options import inference_options, run_config_from_args
+
+    args = build_parser().parse_args(["estimate", "qwen2.5-7b-instruct", "--inference",
+                                      "--gpu", "l40sx2", "--seq-len", "2048"])
+    assert inference_options(args) == InferenceOptions()
+    inf = estimate_inference(run_config_from_args(args), InferenceOptions())
+    assert main(["estimate", "qwen2.5-7b-instruct", "--inference", "--gpu", "l40sx2",
+                 "--seq-len", "2048", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["engine_args"] == inf.engine_args
+    assert printed["suggested_parallel"] == inf.suggested_parallel
+    assert {k: printed[k] for k in asdict(inf.budget)} == json.loads(
+        json.dumps(inf.budget.to_dict()))

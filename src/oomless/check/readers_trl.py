@@ -6,7 +6,11 @@ attn_implementation, use_peft, lora_*, load_in_4bit) next to the trainer's
 config (SFTConfig, DPOConfig, ...: TrainingArguments plus max_length etc.).
 The stage comes from the keys only one trainer's config has (DPO: beta,
 max_prompt_length; KTO: desirable_weight; reward: center_rewards_coefficient),
-else from the file name. An accelerate config gives the processes, mixed
+else from the file name. What the recipe leaves unset takes the trainer config's own
+default of the TRL release that runs it (:func:`trl_defaults`): since TRL 0.19 every
+trainer config defaults ``bf16`` to True when ``fp16`` is not set, since 0.22
+``gradient_checkpointing`` to True (TrainingArguments: both False before). An
+accelerate config gives the processes, mixed
 precision and the DeepSpeed ZeRO stage / offload or FSDP sharding (FULL_SHARD
 is estimated as ZeRO-3, SHARD_GRAD_OP as ZeRO-2, fsdp_offload_params as
 parameter offload).
@@ -17,10 +21,18 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import RunConfig
+from ..memory.stacks import NEWEST_TRL, installed_version, version_tuple
 from .common import HF_KEYS, grad_ckpt_key, hf_eval, knob_edits, optimizer, precision
 from .sources import Reading, Source, check_keys, knob_set
 
 TRL_DEFAULT_MAX_LENGTH = 1024  # SFTConfig / DPOConfig max_length default (TRL ≥ 0.16)
+# Defaults TRL's trainer configs (SFTConfig, DPOConfig, KTOConfig, RewardConfig, ORPOConfig,
+# CPOConfig, GRPOConfig) set where TrainingArguments' differ, by the first release with each:
+# bf16 None -> `not fp16` in __post_init__: huggingface/trl PRs #3515 and #3598
+#   (trl/trainer/sft_config.py & co., v0.19.0; trl/trainer/base_config.py since #5136);
+# gradient_checkpointing default True: PR #3510 (v0.22.0). TrainingArguments: both False.
+TRL_BF16_DEFAULT_SINCE = (0, 19)
+TRL_GRAD_CKPT_DEFAULT_SINCE = (0, 22)
 _ATTN = {"flash_attention_2": "flash", "flash_attention_3": "flash", "sdpa": "sdpa",
          "eager": "eager"}
 _FSDP_ZERO = {"FULL_SHARD": 3, "HYBRID_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0,
@@ -46,6 +58,35 @@ def _stage(d: dict[str, Any], name: str, r: Reading) -> str:
             or "dpo" in lower:
         return "dpo"
     return "sft"
+
+
+def trl_version() -> str:
+    """The TRL release whose defaults fill a recipe's unset keys: the installed one (the
+    machine that checks is taken for the one that trains), else NEWEST_TRL, the release
+    the project pins (requirements-ci.txt) — the rule oomless.memory.stacks follows."""
+    return installed_version("trl") or NEWEST_TRL
+
+
+def trl_defaults(d: dict[str, Any], version: str) -> tuple[dict[str, Any], list[str]]:
+    """The precision and gradient checkpointing TRL ``version`` gives a recipe that leaves
+    ``bf16`` / ``gradient_checkpointing`` unset (run keys to set, notes saying so)."""
+    v = version_tuple(version)[:2]
+    out: dict[str, Any] = {}
+    notes: list[str] = []
+    if d.get("bf16") is None and precision(d) == "fp32":
+        if v >= TRL_BF16_DEFAULT_SINCE:
+            out["precision"] = "bf16"
+            notes.append(f"bf16 not set: TRL {version}'s trainer configs default it to True "
+                         "when fp16 is not set (since TRL 0.19): read as bf16")
+        else:
+            notes.append(f"bf16 not set: TRL {version} keeps TrainingArguments' False "
+                         "(bf16 defaults to True from TRL 0.19): read as fp32")
+    key = grad_ckpt_key(d)
+    if d.get(key) is None:
+        out["grad_ckpt"] = v >= TRL_GRAD_CKPT_DEFAULT_SINCE
+        notes.append(f"{key} not set: TRL {version} defaults it to {out['grad_ckpt']} "
+                     "(True from TRL 0.22)")
+    return out, notes
 
 
 def _length_key(d: dict[str, Any]) -> str:
@@ -89,6 +130,9 @@ def read_trl(src: Source, model: str | None) -> Reading:
                           "flash" if d.get("use_flash_attention_2") else "sdpa"),
         "zero": 0, "offload": "none", "eval": hf_eval(d, micro, None),
     }
+    defaults, notes = trl_defaults(d, trl_version())
+    run.update(defaults)
+    r.notes.extend(notes)
     _method(d, run)
     if run["method"] == "full" and d.get("torch_dtype") == "bfloat16" and run["precision"] == "bf16":
         run["precision"] = "pure-bf16"

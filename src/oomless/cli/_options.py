@@ -311,3 +311,12 @@ def run_config_from_args(args: argparse.Namespace):
         set_dotted(data, "hardware.gpus_per_node", cluster.gpus_per_node)
     return build_run_config(data, source, lines)
 
+
+
+def inference_options(args: argparse.Namespace):
+    """oomless.api.InferenceOptions from `estimate --inference`'s parsed flags."""
+    from dataclasses import fields
+
+    from ..api import InferenceOptions
+
+    return InferenceOptions(**{f.name: getattr(args, f.name) for f in fields(InferenceOptions)})

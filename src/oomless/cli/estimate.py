@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 ORDER = 10
 
@@ -83,56 +82,25 @@ def _with_run(est, cfg, args: argparse.Namespace):
 def _inference(args: argparse.Namespace, cfg) -> int:
     import json
 
-    from ..api import cluster_for
-    from ..errors import ConfigError
-    from ..memory import estimate_generate
-    from ..models.catalog import resolve_model
+    from ..api import estimate_inference
+    from ._options import inference_options
 
-    spec = resolve_model(cfg.model).spec
-    new_tokens = cfg.eval.max_new_tokens or 512
-    cluster = cluster_for(cfg)
-    if args.engine == "hf":
-        est = estimate_generate(spec, cfg.micro_batch_size, cfg.seq_len, new_tokens)
+    inf = estimate_inference(cfg, inference_options(args))
+    if inf.generate is not None:
         if args.json:
-            print(json.dumps({"engine": "hf", **est.to_dict()}, indent=2))
+            print(json.dumps({"engine": "hf", **inf.generate.to_dict()}, indent=2))
             return 0
         from ._render_infer import render_generate
 
-        render_generate(spec.name, est, cluster.gpu if cluster else None)
+        render_generate(inf.model_name, inf.generate, inf.cluster.gpu if inf.cluster else None)
         return 0
-    if cluster is None:
-        raise ConfigError("--inference --engine vllm needs --gpu (vLLM's budget is a "
-                          "fraction of the card's memory); e.g. --gpu a100-80gb")
-    engine, budget, hint = vllm_estimate(args, cfg, spec, cluster)
     if args.json:
-        print(json.dumps({"engine": "vllm", **budget.to_dict(), "engine_args": engine,
-                          "suggested_parallel": hint}, indent=2))
+        print(json.dumps({"engine": "vllm", **inf.budget.to_dict(),
+                          "engine_args": inf.engine_args,
+                          "suggested_parallel": inf.suggested_parallel}, indent=2))
         return 0
     from ._render_infer import render_vllm
 
-    render_vllm(spec.name, cluster.gpu.display_name, budget, engine, hint)
+    render_vllm(inf.model_name, inf.cluster.gpu.display_name, inf.budget, inf.engine_args,
+                inf.suggested_parallel)
     return 0
-
-
-def vllm_estimate(args: argparse.Namespace, cfg, spec, cluster) -> tuple[dict, Any, dict | None]:
-    """vLLM's engine arguments, per-GPU budget and the parallel sizes that would fit (or
-    None) for `estimate --inference --engine vllm`'s options; the web page calls it too."""
-    from ..memory.inference import EngineRequest, parallel_hint, vllm_engine_args
-    from ..memory.vllm_parallel import check_parallel
-
-    new_tokens = cfg.eval.max_new_tokens or 512
-    # LoRA slots only for an adapter the run says it trains (--method lora/qlora or the YAML)
-    adapter = cfg.method != "full" and "method" in cfg.model_fields_set
-    req = EngineRequest(model=cfg.model, max_model_len=args.max_model_len or cfg.seq_len + new_tokens,
-                        max_num_seqs=args.max_num_seqs,
-                        gpu_memory_utilization=args.gpu_memory_utilization,
-                        lora_rank=cfg.lora.r if adapter else 0, kv_cache_dtype=args.kv_cache_dtype,
-                        trust_remote_code=cfg.training.trust_remote_code,
-                        tensor_parallel_size=args.tensor_parallel_size,
-                        pipeline_parallel_size=args.pipeline_parallel_size,
-                        data_parallel_size=args.data_parallel_size, nodes=cluster.nodes,
-                        # --stack-version names the vLLM release (its profiling rule)
-                        engine_version=cfg.stack_options.stack_version)
-    check_parallel(spec, req.parallel, cluster.world_size)
-    engine, budget = vllm_engine_args(spec, cluster.gpu, req)
-    return engine, budget, parallel_hint(spec, cluster, req, budget)

@@ -179,29 +179,47 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     """Persistent per-GPU bytes of weights, adapters, grads, master and optimizer."""
     check_prequantized(spec, cfg)
     st = States()
-    n = cfg.world_size
     targets = lora_targets(spec, cfg.lora.targets) if cfg.method != "full" else set()
-    adapter = lora_params(spec, cfg.lora.r, targets) if targets else 0
-    adapter += expert_adapter_params(spec, cfg)  # PEFT's ParamWrapper on fused experts
-    head_weights, head_trained = score_head_param_delta(spec, cfg)  # rm: score head, no lm_head
-    adapter += head_trained if cfg.method != "full" else 0
-    vision = vision_trainable_params(spec, cfg)  # tower adapters, or a frozen tower (full FT)
-    adapter += vision if cfg.method != "full" else 0
-    trainable = spec.param_count + head_trained + vision if cfg.method == "full" else adapter
+    adapter, trainable, head_weights = _trained_params(spec, cfg, targets)
     st.trainable_params = trainable
-
     weights = weight_bytes(spec, cfg, dt) + head_weights * dt.base_weight_bytes
     buffers = zero_buffers(cfg.zero, cfg.deepspeed.model_dump(), spec.hidden_size,
                            largest_module_params(spec), dt.grad_bytes, dt.base_weight_bytes)
     fsdp = cfg.training.engine == "fsdp"  # FSDP2 has no DeepSpeed buckets
     if cfg.zero and not fsdp:
         st.assumptions.extend(buffers.notes)
-    shard3 = n if cfg.zero == 3 else 1  # ZeRO-3 partitions the parameters
-    shard_opt = n if cfg.zero >= 1 else 1  # ZeRO-1+ partitions optimizer states
-    params_on_host = cfg.offload == "all"
+    shard3 = cfg.world_size if cfg.zero == 3 else 1  # ZeRO-3 partitions the parameters
+    _sharded_weights(st, spec, cfg, dt, weights, buffers.gathered_bytes)
+    if adapter:
+        st.gpu["lora_adapters"] = round(adapter * dt.trainable_bytes / shard3)
+    _optimizer_side(st, spec, cfg, dt, targets, trainable)
+    if cfg.offload == "all":  # ZeRO-3 parameter offload
+        st.host_bytes += round(weights / cfg.world_size * cfg.hardware.gpus_per_node)
+    _gradients(st, spec, cfg, dt, targets, trainable, buffers.gradient_staging_bytes
+               if cfg.zero and not fsdp else 0)
+    return st
+
+
+def _trained_params(spec: ModelSpec, cfg: RunConfig, targets: set[str]) -> tuple[int, int, int]:
+    """(adapter parameters: LoRA's, PEFT's on fused experts, a reward model's score head and
+    the vision tower's; trainable parameters; score-head weights, trained or not)."""
+    head_weights, head_trained = score_head_param_delta(spec, cfg)  # rm: score head, no lm_head
+    vision = vision_trainable_params(spec, cfg)  # tower adapters, or a frozen tower (full FT)
+    if cfg.method == "full":  # no adapters (PEFT wraps no experts either)
+        return 0, spec.param_count + head_trained + vision, head_weights
+    adapter = lora_params(spec, cfg.lora.r, targets) if targets else 0
+    adapter += expert_adapter_params(spec, cfg)  # PEFT's ParamWrapper on fused experts
+    adapter += head_trained + vision
+    return adapter, adapter, head_weights
+
+
+def _sharded_weights(st: States, spec: ModelSpec, cfg: RunConfig, dt: Dtypes, weights: float,
+                     zero3_gathered_bytes: int) -> None:
+    """The weights' share per GPU and, under ZeRO-3 / FSDP, what is gathered at once."""
+    shard3 = cfg.world_size if cfg.zero == 3 else 1
     replicated = quant_constant_bytes(spec, cfg) if cfg.zero == 3 else 0
-    st.gpu["weights"] = 0 if params_on_host else round((weights - replicated) / shard3
-                                                       + replicated)
+    st.gpu["weights"] = 0 if cfg.offload == "all" else round((weights - replicated) / shard3
+                                                             + replicated)
     if cfg.zero == 3 and cfg.method == "qlora":
         st.gpu["zero3_gathered"] = round(qlora_gathered_bytes(spec, cfg, dt))
         st.assumptions.append(
@@ -210,7 +228,7 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
             "sharded, the quantization constants (absmax) stay on every GPU; the largest "
             "module (a layer in packed 4-bit, or the 16-bit embedding / lm_head) is gathered, "
             "plus a prefetch bucket of 0.9·hidden² elements")
-    elif cfg.zero == 3 and fsdp:
+    elif cfg.zero == 3 and cfg.training.engine == "fsdp":
         layer = max(spec.layer_params(False), spec.layer_params(True) if spec.is_moe else 0)
         root = spec.embedding_params + spec.lm_head_params + spec.norm_params
         st.gpu["zero3_gathered"] = fsdp2_gathered_bytes(
@@ -220,21 +238,30 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
             "LM head, final norm) stays gathered through forward and backward, two layers are "
             "gathered at once (prefetch), unsharded gradients wait for the reduce-scatter")
     elif cfg.zero == 3:
-        st.gpu["zero3_gathered"] = buffers.gathered_bytes
+        st.gpu["zero3_gathered"] = zero3_gathered_bytes
         st.assumptions.append(
             "ZeRO-3: the largest module (layer, embedding or lm_head) is gathered with its "
             "16-bit gradient (DeepSpeed's estimator counts 4 B/param) plus the prefetch")
-    if adapter:
-        st.gpu["lora_adapters"] = round(adapter * dt.trainable_bytes / shard3)
 
-    stepped = cfg
-    if cfg.offload in ("optimizer", "all"):
-        stepped = cfg.model_copy(update={"optimizer": offloaded_optimizer(cfg.optimizer).name})
-        if stepped.optimizer != cfg.optimizer:
-            st.assumptions.append(
-                f"optimizer offload: DeepSpeed steps CPU-Adam ({stepped.optimizer}), not "
-                f"{cfg.optimizer}: it refuses a client optimizer with ZeRO-Offload "
-                "(deepspeed runtime/engine.py, zero_force_ds_cpu_optimizer)")
+
+def _stepped_config(st: States, cfg: RunConfig) -> RunConfig:
+    """The run with the optimizer DeepSpeed actually steps (CPU-Adam under offload)."""
+    if cfg.offload not in ("optimizer", "all"):
+        return cfg
+    stepped = cfg.model_copy(update={"optimizer": offloaded_optimizer(cfg.optimizer).name})
+    if stepped.optimizer != cfg.optimizer:
+        st.assumptions.append(
+            f"optimizer offload: DeepSpeed steps CPU-Adam ({stepped.optimizer}), not "
+            f"{cfg.optimizer}: it refuses a client optimizer with ZeRO-Offload "
+            "(deepspeed runtime/engine.py, zero_force_ds_cpu_optimizer)")
+    return stepped
+
+
+def _optimizer_side(st: States, spec: ModelSpec, cfg: RunConfig, dt: Dtypes, targets: set[str],
+                    trainable: int) -> None:
+    """Optimizer states, fp32 master weights and ZeRO's fp32 gradient partition: on the
+    GPU (sharded by ZeRO-1+), paged by bitsandbytes, or in host RAM under offload."""
+    stepped = _stepped_config(st, cfg)
     states = optimizer_bytes(spec, stepped, dt, targets, trainable)
     opt = states.device + states.paged
     if OPTIMIZERS[stepped.optimizer].eight_bit:
@@ -242,39 +269,42 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
             f"8-bit optimizer states: tensors under {C.ADAM8BIT_MIN_SIZE:,} elements (norms, "
             "biases, narrow LoRA matrices) keep fp32 states (bitsandbytes min_8bit_size); "
             "tensors the model's shapes do not name are counted as large")
+    shard_opt = cfg.world_size if cfg.zero >= 1 else 1  # ZeRO-1+ partitions optimizer states
     master = trainable * dt.master_bytes
     fp32_grad_partition = trainable * 4 if cfg.zero >= 1 else 0
-    optimizer_side = (opt + master + fp32_grad_partition) / shard_opt
     if cfg.offload in ("optimizer", "all"):
+        optimizer_side = (opt + master + fp32_grad_partition) / shard_opt
         st.host_bytes += round(optimizer_side * cfg.hardware.gpus_per_node)
         st.assumptions.append(
             "optimizer offload: fp32 master weights, fp32 gradient partitions and "
             "optimizer states live in pinned host RAM (DeepSpeed ZeRO-Offload)"
         )
-    elif OPTIMIZERS[cfg.optimizer].paged:
+        return
+    paged = OPTIMIZERS[cfg.optimizer].paged
+    if paged:
         st.paged_bytes = round(states.paged / shard_opt)
-        st.gpu["optimizer"] = round(states.device / shard_opt)
-        st.gpu["master_weights"] = round(master / shard_opt)
-        st.gpu["grad_partition_fp32"] = round(fp32_grad_partition / shard_opt)
+    st.gpu["optimizer"] = round((states.device if paged else opt) / shard_opt)
+    st.gpu["master_weights"] = round(master / shard_opt)
+    st.gpu["grad_partition_fp32"] = round(fp32_grad_partition / shard_opt)
+    if paged:
         st.assumptions.append(
             "paged optimizer: bitsandbytes keeps the states of tensors of 100,000 elements "
             "or more in CUDA unified memory, outside PyTorch's allocator; they count on the "
             "device until memory runs short, then page to host, so they are not counted "
             "against the fit (smaller tensors' states are ordinary device memory)"
         )
-    else:
-        st.gpu["optimizer"] = round(opt / shard_opt)
-        st.gpu["master_weights"] = round(master / shard_opt)
-        st.gpu["grad_partition_fp32"] = round(fp32_grad_partition / shard_opt)
-    if params_on_host:
-        st.host_bytes += round(weights / n * cfg.hardware.gpus_per_node)
 
+
+def _gradients(st: States, spec: ModelSpec, cfg: RunConfig, dt: Dtypes, targets: set[str],
+               trainable: int, staging_bytes: int) -> None:
+    """The gradients per GPU (ZeRO-2/3: a partition, plus DeepSpeed's ``staging_bytes``)
+    and DDP's bucket copy."""
+    n = cfg.world_size
     grads = trainable * dt.grad_bytes
     # ZeRO-2/3 keep each rank's gradient partition; ZeRO-1+ adds DeepSpeed's staging
     # buffer(s) of reduce_bucket_size elements (memory/zero_buffers.py)
     shard_grads = n if cfg.zero >= 2 else 1
-    st.gpu["gradients"] = round(grads / shard_grads + (buffers.gradient_staging_bytes
-                                                       if cfg.zero and not fsdp else 0))
+    st.gpu["gradients"] = round(grads / shard_grads + staging_bytes)
     if stack_effects(cfg).optimizer_in_bwd:
         # torchtune training/memory.py register_optim_in_bwd_hooks: each gradient is
         # stepped and freed as soon as it is accumulated: the largest one at a time
@@ -288,7 +318,6 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
             "DDP: gradient buckets hold a second copy of the gradients "
             "(gradient_as_bucket_view=False, the default)"
         )
-    return st
 
 
 def lora_reach(spec: ModelSpec, cfg: RunConfig) -> str:

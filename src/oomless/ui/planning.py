@@ -16,7 +16,6 @@ import shutil
 from typing import Any
 
 from ..config import RunConfig, dump_run_config
-from ..errors import ConfigError
 from . import commands, views
 from .service import Workspace, _model, _object, estimate_options, gpu_text, run_config
 
@@ -176,27 +175,18 @@ def plan_files(ws: Workspace, cfg: RunConfig, spec, cluster) -> dict[str, str]:
 def inference_view(ws: Workspace, request: dict[str, Any]) -> dict[str, Any]:
     """`oomless estimate --inference`: HF generate's memory, or vLLM's per-GPU budget (KV
     blocks, the most sequences held, the smallest utilization; tensor, pipeline and data
-    parallel sizes as vLLM takes them) and the engine arguments. The same library calls
-    as cli/estimate.py's inference path (cli.estimate.vllm_estimate), with its defaults."""
-    from ..api import cluster_for
-    from ..cli._options import run_config_from_args
-    from ..cli.estimate import vllm_estimate
-    from ..memory import estimate_generate
-    from ..models.catalog import resolve_model
+    parallel sizes as vLLM takes them) and the engine arguments. The command line's
+    library call (oomless.api.estimate_inference), with its defaults."""
+    from ..api import estimate_inference
+    from ..cli._options import inference_options, run_config_from_args
 
     with ws.clean_errors():
         args = estimate_options(ws, request, "inference")
-        cfg = run_config_from_args(args)
-        spec = resolve_model(cfg.model).spec
-        new_tokens = cfg.eval.max_new_tokens or 512
-        cluster = cluster_for(cfg)
+        inf = estimate_inference(run_config_from_args(args), inference_options(args),
+                                 gpu_fix="pick a GPU")
         command = commands.command_line(request, "inference", _model(ws, request)[1])
-        if args.engine == "hf":
-            est = estimate_generate(spec, cfg.micro_batch_size, cfg.seq_len, new_tokens)
-            return views.generate_payload(spec.name, est.to_dict(), cluster, command)
-        if cluster is None:
-            raise ConfigError("--inference --engine vllm needs --gpu (vLLM's budget is a "
-                              "fraction of the card's memory); pick a GPU")
-        engine, budget, hint = vllm_estimate(args, cfg, spec, cluster)
-    return views.vllm_payload(spec.name, cluster.gpu.display_name, budget, engine, command,
-                              hint)
+        if inf.generate is not None:
+            return views.generate_payload(inf.model_name, inf.generate.to_dict(), inf.cluster,
+                                          command)
+    return views.vllm_payload(inf.model_name, inf.cluster.gpu.display_name, inf.budget,
+                              inf.engine_args, command, inf.suggested_parallel)

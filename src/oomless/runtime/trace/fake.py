@@ -230,14 +230,14 @@ def _batch(model: Any, spec: Any, cfg: RunConfig, b: int, seq: int, images: bool
 
 def _block_params(model: Any, num_layers: int, block: set[int]) -> tuple[int, int]:
     """Parameters (and trainable ones) of the decoder layers in ``block``."""
-    from ..build import _numel
+    from ..fake_params import param_numel
     from .tracked_run import decoder_layers_name
 
     name = decoder_layers_name(model, num_layers)
     total = trainable = 0
     for pname, p in model.named_parameters():
         if layer_index(pname, name) in block:
-            total += _numel(p)
+            total += param_numel(p)
             trainable += p.numel() if p.requires_grad else 0
     return total, trainable
 

@@ -5,7 +5,7 @@ caching allocator raises, and which the two test helpers below raise too):
 
 - :class:`FaultInjector` raises it at chosen optimizer steps, ranks and
   micro batches (``training.inject_oom``);
-- :class:`BudgetMode` counts the bytes of every live tensor storage created
+- :func:`budget_mode` counts the bytes of every live tensor storage created
   inside a step (a ``TorchDispatchMode``; storages are released through
   weakref finalizers) on top of a baseline (weights, gradients, optimizer
   states) and raises it when the total exceeds ``training.memory_budget_gb``:
