@@ -122,7 +122,7 @@ def read_glm4(src: Source, model: str | None) -> Reading:
         "finetune/finetune.py (0414) enables it only when resuming" if layout_0414 else
         "finetune_demo/finetune.py always enables it")
     r.notes.append(f"finetune.py loads the weights in bf16; gradient checkpointing "
-                   f"{'on' if grad_ckpt else 'off'} ({how}); attention is the model code's SDPA")
+                   f"{'on' if grad_ckpt else 'off'} ({how})")
     r.run = run
     r.fixed = knob_set(*KNOBS_GLM, *(("grad_ckpt",) if layout_0414 else ())) | r.fixed
     r.facts["ckpt_key"] = ckpt_key
