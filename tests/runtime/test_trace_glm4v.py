@@ -83,3 +83,29 @@ def test_glm4v_readme_configuration_needs_the_tower_trained():
     with_tower = estimate_training(spec, RunConfig(**common, vision={"freeze_tower": False}))
     frozen = estimate_training(spec, RunConfig(**common))
     assert frozen.device_peak_bytes < 0.75 * with_tower.device_peak_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_readme_step_at_full_size_analytic_equals_the_trace(rows):
+    """GLM-4's finetune_demo LoRA YAML as `oomless check` reads it, at full size (40
+    language layers of 2,627 positions, 63 tower layers of 6,401 patches): the estimate's
+    allocated peak (the catalog spec: ChatGLM's fused query_key_value) against a trace of
+    the stand-in with GLM-4V's eager attention and ChatGLM's loss. The trace's allocator
+    replay reserves more (tests/check/test_glm4v_story.py states both)."""
+    from pathlib import Path
+
+    from oomless.check.checker import CheckOptions, check
+
+    yaml = Path(__file__).parents[1] / "fixtures/real_configs/glm-4/finetune_demo_lora.yaml"
+    read = check(CheckOptions(files=(str(yaml),), gpu="a100-80gb", model="glm-4v-9b"))
+    cfg = RunConfig.model_validate(read.config).replace(micro_batch_size=rows)
+    config = get_entry("glm-4v-9b").config
+    spec = resolve_model("glm-4v-9b").spec
+    model, layers = build_fake_shell(config, cfg)
+    with fake_mode():
+        one = shell_batch(model, config["vision_config"], cfg.seq_len, image_tokens(spec, cfg))
+        batch = {k: torch.cat([v] * rows) for k, v in one.items()}
+    stats = trace_module(model, cfg, batch, num_layers=layers, loss_fn=lambda m, b: m(**b).loss)
+    est = estimate_training(spec, cfg)
+    assert abs(est.peak_allocated_bytes / max(stats.phase_peaks.values()) - 1) < 0.01
