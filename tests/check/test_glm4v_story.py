@@ -41,7 +41,10 @@ Seq2SeqTrainer empties the cache after every step and prediction), the attention
 (a bool (b, 1, s, s) per layer, or get_masks' fp32 (b, s, s) only with padding), the
 tower's attention (SDPA: visual.py attention_fn_default, torch ≥ 2), dropout p 0 in the
 tower and the language attention (no copy), the allocator across steps (the first step
-reserves the same 58.5 GiB).
+reserves the same 58.5 GiB). Seen but not verified: a derivative copy of GLM-4V's
+ChatGLMModel.forward re-embeds input_ids in training when the batch has padding
+(THUDM/GLM-4#264), which would drop the image features from the language model from
+batch 2 on; the genuine file of mid-2024 was not found, so it is not modelled.
 """
 
 from __future__ import annotations
