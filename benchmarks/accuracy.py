@@ -187,7 +187,8 @@ _MT_FROZEN_FAILURE: list[str] = []
 
 def _glm4v_shell(cfg: RunConfig):
     """GLM-4V at 1120 px: a trace of the test-only stand-in of its EVA2-CLIP tower in front
-    of transformers' GLM-4 port, and the spec of exactly that model (LM: the port)."""
+    of transformers' GLM-4 port (running GLM-4V's eager CoreAttention and ChatGLM's loss),
+    and the spec of exactly that model (LM: the port)."""
     import dataclasses
 
     sys.path.insert(0, str(SHELLS))
@@ -201,8 +202,10 @@ def _glm4v_shell(cfg: RunConfig):
     from oomless.runtime.trace.module_trace import trace_module
 
     config = get_entry("glm-4v-9b").config
+    glm4v = resolve_model("glm-4v-9b").spec  # its tower, eager CoreAttention and own loss
     spec = dataclasses.replace(spec_from_hf_config(chatglm_to_glm(config), "glm-4v-9b (shell)"),
-                               vision=resolve_model("glm-4v-9b").spec.vision)
+                               vision=glm4v.vision, model_type=glm4v.model_type,
+                               sdpa_supported=glm4v.sdpa_supported)
     model, layers = build_fake_shell(config, cfg)
     with fake_mode():
         batch = shell_batch(model, config["vision_config"], cfg.seq_len, image_tokens(spec, cfg))

@@ -103,8 +103,8 @@ def test_glm4_seed_yaml_ooms_and_the_diff_fixes_it(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 1 and "OUT OF MEMORY in the forward phase" in out
     result = check(CheckOptions(files=(str(path),), gpu="rtx-4090", model="glm-4-9b-chat"))
-    assert result.oom_phase == "forward" and result.phase_device_bytes["evaluation"] > \
-        result.gpu_memory_bytes
+    # finetune.py's evaluation feeds no labels: Seq2SeqTrainer only generates (no loss forward)
+    assert result.oom_phase == "forward" and "evaluation" not in result.phase_device_bytes
     fix = result.fix
     assert fix["config"]["micro_batch_size"] * fix["config"]["grad_accum"] == 4
     diff = result.diffs[str(path)]

@@ -102,7 +102,9 @@ def test_image_max_pixels_caps_the_tokens_per_image():
 
 def test_glm4_evaluation_generates_from_the_prompt_alone():
     run = run_of("glm-4/finetune_demo_lora.yaml", model="glm-4-9b-chat")
-    assert run["eval"] == {"batch_size": 4, "predict_with_generate": True, "max_new_tokens": 512}
+    # process_batch_eval gives no labels: Seq2SeqTrainer generates and computes no loss
+    assert run["eval"] == {"batch_size": 4, "predict_with_generate": True, "max_new_tokens": 512,
+                           "loss": False}
     assert run["data"] == {"max_input_length": 513, "max_output_length": 512}
     assert run["seq_len"] == 1025 and run["grad_ckpt"] is True  # finetune_demo always on
 

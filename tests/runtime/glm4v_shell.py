@@ -10,18 +10,55 @@ a GELU MLP; then the class token dropped, a 2×2 stride-2 convolution into the
 language model's width, a GLU projector (linear, LayerNorm, GELU, SiLU-gated
 MLP of the language model's FFN width) and boi/eoi tokens around the image.
 The language model is transformers' GLM-4 port (``glm``: q/k/v split from
-ChatGLM's query_key_value); the image features take the place of as many
-placeholder positions. Weights are random; only shapes and ops matter for memory.
+ChatGLM's query_key_value) running GLM-4V's own attention and loss, written from
+THUDM/glm-4v-9b modeling_chatglm.py of mid-2024: SelfAttention builds CoreAttention
+whatever attn_implementation says (THUDM/GLM-4#420), which repeats the two key/value
+groups to every head (contiguous copies), scores into a preallocated buffer with
+``baddbmm``, upcasts them to fp32, scales by the layer number, masks with a bool
+causal mask of its own and takes an fp32 softmax cast back to bf16
+(``chatglm_core_attention``); ChatGLMForConditionalGeneration upcasts the logits,
+takes a contiguous copy of the shifted ones into CrossEntropyLoss and casts the
+logits back to bf16 (``Glm4vShell.forward``). The image features take the place
+of as many placeholder positions. Weights are random; only shapes and ops matter
+for memory.
 Used by tests/runtime/test_trace_glm4v.py and benchmarks/accuracy.py.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+CHATGLM_ATTENTION = "chatglm_core"
+
+
+def chatglm_core_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, attention_mask: Any, scaling: float | None = None,
+                           dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """GLM-4V's SelfAttention (multi-query repeat) and CoreAttention.forward, op by op:
+    query (b, heads, s, d), key/value (b, groups, s, d); returns (b, s, heads, d)."""
+    b, heads, sq, hn = query.shape
+    groups = key.shape[1]
+    key = key.unsqueeze(2).expand(-1, -1, heads // groups, -1, -1).contiguous()
+    value = value.unsqueeze(2).expand(-1, -1, heads // groups, -1, -1).contiguous()
+    key, value = key.view(b, heads, sq, hn), value.view(b, heads, sq, hn)
+    coeff = module.layer_idx + 1  # apply_query_key_layer_scaling: coeff = layer_number
+    q = query.reshape(b * heads, sq, hn)
+    buffer = torch.empty(b * heads, sq, sq, dtype=q.dtype, device=q.device)
+    result = torch.baddbmm(buffer, q, key.view(b * heads, sq, hn).transpose(1, 2), beta=0.0,
+                           alpha=1.0 / (math.sqrt(hn) * coeff))
+    scores = result.view(b, heads, sq, sq).float()  # attention_softmax_in_fp32
+    scores = scores * coeff
+    mask = torch.ones(b, 1, sq, sq, device=scores.device, dtype=torch.bool)
+    mask.tril_()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = F.softmax(scores, dim=-1).type_as(value)  # attention_dropout 0: no-op
+    context = torch.bmm(probs.view(b * heads, sq, sq), value.view(b * heads, sq, hn))
+    return context.view(b, heads, sq, hn).transpose(1, 2).contiguous(), None
 
 
 class PatchEmbedding(nn.Module):
@@ -131,10 +168,19 @@ class Glm4vShell(nn.Module):
         return self.lm.get_output_embeddings()
 
     def forward(self, input_ids: torch.Tensor, images: torch.Tensor, labels: torch.Tensor) -> Any:
+        from types import SimpleNamespace
+
         embeds = self.lm.get_input_embeddings()(input_ids)
         features = self.vision(images.to(embeds.dtype))
         embeds = torch.cat((embeds[:, :1], features, embeds[:, 1 + features.shape[1]:]), dim=1)
-        return self.lm(inputs_embeds=embeds, labels=labels)
+        lm_logits = self.lm(inputs_embeds=embeds).logits
+        lm_logits = lm_logits.to(torch.float32)
+        shift_logits = lm_logits[..., :-1, :].contiguous()
+        shift_labels = labels[..., 1:].contiguous()
+        loss = nn.CrossEntropyLoss(ignore_index=-100)(
+            shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+        lm_logits = lm_logits.to(embeds.dtype)
+        return SimpleNamespace(loss=loss.to(embeds.dtype), logits=lm_logits)
 
 
 def build_fake_shell(chatglm_config: dict[str, Any], cfg: Any, lm_layers: int | None = None,
@@ -143,10 +189,12 @@ def build_fake_shell(chatglm_config: dict[str, Any], cfg: Any, lm_layers: int | 
     ``vision.freeze_tower`` is off, on the tower's query_key_value; returns (model, the
     language model's layers)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
     from oomless.models.hf_decoder import chatglm_to_glm
     from oomless.runtime.build import base_dtype, fake_mode, fakeify
+
+    AttentionInterface.register(CHATGLM_ATTENTION, chatglm_core_attention)
 
     glm = chatglm_to_glm(chatglm_config)
     if lm_layers:
@@ -157,8 +205,10 @@ def build_fake_shell(chatglm_config: dict[str, Any], cfg: Any, lm_layers: int | 
     config = AutoConfig.for_model(**glm)
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config, dtype=base_dtype(cfg),
-                                              attn_implementation="sdpa")
+                                              attn_implementation=CHATGLM_ATTENTION)
         model = Glm4vShell(lm, vc).to(base_dtype(cfg))
+    if cfg.grad_ckpt:  # GLMTransformer checkpoints each layer (use_reentrant=False)
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.requires_grad_(False)
     targets = ["q_proj", "k_proj", "v_proj"]
     if not cfg.vision.freeze_tower:

@@ -157,6 +157,10 @@ def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: Mod
         if note not in reading.assumptions:
             reading.assumptions.append(note)
     _lora_targets(run, spec, reading)
+    if run.get("attn", "sdpa") == "sdpa" and not spec.sdpa_supported:
+        run["attn"] = "eager"  # the model's code has no SDPA path (spec assumptions say why)
+        reading.notes.append(f"{spec.name}'s code has no SDPA path: its attention runs eager "
+                             "(--assumptions says why)")
     run["hardware"] = {**(run.get("hardware") or {}), "gpu": cluster.gpu.name,
                        "gpus_per_node": cluster.gpus_per_node, "nodes": cluster.nodes}
     if opts.images and spec.vision is None:

@@ -115,14 +115,18 @@ def read_glm4(src: Source, model: str | None) -> Reading:
         run["eval"] = {"batch_size": ta.get("per_device_eval_batch_size") or run["micro_batch_size"]}
         new_tokens = (ta.get("generation_config") or {}).get("max_new_tokens")
         if ta.get("predict_with_generate") and new_tokens:
-            run["eval"].update({"predict_with_generate": True, "max_new_tokens": new_tokens})
+            # process_batch_eval gives input_ids and output_ids, no labels: Seq2SeqTrainer's
+            # prediction_step then generates and runs no loss forward
+            run["eval"].update({"predict_with_generate": True, "max_new_tokens": new_tokens,
+                                "loss": False})
             r.notes.append(f"evaluation generates up to {new_tokens} tokens from prompts of at "
-                           f"most {in_len + 1} tokens (finetune.py feeds no labels to it)")
+                           f"most {in_len + 1} tokens and computes no loss (finetune.py feeds "
+                           "no labels to it)")
     how = "the YAML's training_args" if ckpt_key in ta else (
         "finetune/finetune.py (0414) enables it only when resuming" if layout_0414 else
         "finetune_demo/finetune.py always enables it")
     r.notes.append(f"finetune.py loads the weights in bf16; gradient checkpointing "
-                   f"{'on' if grad_ckpt else 'off'} ({how}); attention is the model code's SDPA")
+                   f"{'on' if grad_ckpt else 'off'} ({how})")
     r.run = run
     r.fixed = knob_set(*KNOBS_GLM, *(("grad_ckpt",) if layout_0414 else ())) | r.fixed
     r.facts["ckpt_key"] = ckpt_key

@@ -156,6 +156,11 @@ class EvalConfig(_Section):
     max_new_tokens: int = Field(0, ge=0, description="generation length when predicting")
     predict_with_generate: bool = False
     steps: int = Field(0, ge=0, description="evaluate every N optimizer steps (0: at the end)")
+    loss: bool = Field(True, description="evaluation runs a forward with labels for the loss; "
+                       "false when the evaluation batches carry no labels and the trainer only "
+                       "generates (transformers Seq2SeqTrainer.prediction_step with "
+                       "predict_with_generate computes the loss only when the batch has "
+                       "labels)")
 
 
 class VisionConfig(_Section):

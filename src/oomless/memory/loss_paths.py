@@ -4,8 +4,10 @@ For a plain transformers loss (units of tokens t × vocabulary V bytes; L is the
 logits' element size as the model returns them):
 
 - forward peak: L (the model's logits) + 4 (the loss's fp32 copy, when L is 16-bit)
-  + 4 (the shifted fp32 copy, transformers < 4.49) + 4 (log_softmax's output, kept
-  for backward);
+  + 4 (the shifted fp32 copy, transformers < 4.49, when the batch has several rows:
+  the shifted logits of one row are a contiguous prefix) + 4 (log_softmax's output,
+  kept for backward) + 2 (ChatGLM's own forward: the logits cast back to bf16 after
+  the loss);
 - backward start: 12 — the saved log_softmax, its incoming gradient (nll_loss's
   backward) and the logits' fp32 gradient (log_softmax's backward), plus L when the
   stack keeps its outputs alive;
@@ -77,20 +79,29 @@ def lm_head_cast_bytes(spec: ModelSpec, dt: Dtypes, fx: StackEffects) -> int:
     return 0
 
 
-def logits_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> dict[str, float]:
+def logits_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int,
+                 rows: int = 2) -> dict[str, float]:
     """{"forward", "backward", "held"}: the logits region's bytes at the forward's peak,
-    at the backward's start, and what stays alive in every other phase."""
+    at the backward's start, and what stays alive in every other phase. ``rows``: the
+    sequences in the forward (the shifted logits of one sequence need no copy)."""
     fx = stack_effects(cfg)
     if fx.fused_loss:
         return _fused(spec, cfg, dt, t, fx.fused_loss)
     v = spec.vocab_size
+    path = loss_path_of(spec, fx)
     lb = model_logits_bytes(cfg, dt, fx, spec)
     copy = C.LOSS_FP32_BYTES if lb == 2 else 0
-    shift = C.LOSS_FP32_BYTES if loss_path_of(spec, fx).shift_copy else 0
-    kept = lb if fx.keep_outputs else 0
+    # logits[..., :-1, :] of a (1, s, V) tensor is a prefix of contiguous rows, so
+    # .contiguous() returns it as it is: the shifted copy exists only for several rows
+    shift = C.LOSS_FP32_BYTES if path.shift_copy and rows > 1 else 0
+    # ChatGLM casts its fp32 logits back to the hidden states' dtype after the loss, next
+    # to the fp32 logits, the shifted copy and log_softmax's output; that cast is what
+    # its outputs (and a stack keeping them) hold
+    recast = dt.resid_bytes if path.recast_after_loss and lb == 4 and dt.resid_bytes != 4 else 0
+    kept = (recast or lb) if fx.keep_outputs else 0
     cast = lm_head_cast_bytes(spec, dt, fx)
     capped = softcap_logits_bytes(spec, lb, t)  # Gemma-2: the tanh output is kept
-    forward = (kept + lb + copy + shift + C.LOSS_FP32_BYTES) * t * v + cast + capped
+    forward = (kept + lb + copy + shift + C.LOSS_FP32_BYTES + recast) * t * v + cast + capped
     backward = (kept + 3 * C.LOSS_FP32_BYTES) * t * v + cast + capped
     return {"forward": forward, "backward": backward, "held": kept * t * v}
 

@@ -32,6 +32,9 @@ class LossPath:
     model_upcasts: bool  # the model's forward casts the logits to fp32 (its outputs hold fp32)
     shift_copy: bool  # the loss makes a contiguous fp32 copy of the shifted logits
     source: str
+    # the model's forward casts its fp32 logits back to the hidden states' dtype after the
+    # loss, while the fp32 logits and the loss's tensors are still alive (ChatGLM)
+    recast_after_loss: bool = False
 
 
 LOSS_PATHS = (
@@ -44,6 +47,14 @@ LOSS_PATHS = (
     LossPath("loss-upcast", False, False,
              "transformers ≥ 4.49 loss/loss_utils.py ForCausalLMLoss: logits.float(), labels "
              "padded and shifted instead of the logits"),
+    # not a transformers release's path: remote code whose forward computes its own loss
+    # (families.json own_loss)
+    LossPath("model-upcast+shift+recast", True, True,
+             "THUDM/glm-4-9b-chat and glm-4v-9b modeling_chatglm.py "
+             "ChatGLMForConditionalGeneration.forward: lm_logits.to(torch.float32), "
+             "shift_logits = lm_logits[..., :-1, :].contiguous() into CrossEntropyLoss, then "
+             "lm_logits = lm_logits.to(hidden_states.dtype) while shift_logits is alive",
+             recast_after_loss=True),
 )
 # first release of each path (checked by benchmarks/loss_versions.py on 4.36–5.23)
 _LOSS_PATH_SINCE = ((0, 0), (4, 46), (4, 49))

@@ -209,7 +209,7 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
     t = b * s
     acts = saved_activation_bytes(spec, cfg, dt, b, s)
     head = head_bytes(spec, cfg, dt, plan, cfg.micro_batch_size, s)
-    logits = stack_logits_bytes(spec, cfg, dt, t) if head is None else {
+    logits = stack_logits_bytes(spec, cfg, dt, t, rows=b) if head is None else {
         "forward": head["forward_peak"], "backward": head["backward"], "held": 0}
     transient = backward_transient_bytes(spec, cfg, dt, t)
     recompute = acts["one_layer"] if cfg.grad_ckpt else 0
@@ -248,16 +248,17 @@ def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads
     setup = setup_phase_bytes(spec, cfg, persistent)
     if setup:
         phases["setup"] = setup
-    if cfg.eval.batch_size or cfg.eval.steps or cfg.eval.predict_with_generate:
+    if cfg.eval.loss and (cfg.eval.batch_size or cfg.eval.steps or cfg.eval.predict_with_generate):
         eb = cfg.eval_batch_size * plan.rows
         ev = eval_forward_bytes(spec, dt, eb, s, cfg.attn)
-        ev_logits = stack_logits_bytes(spec, cfg, dt, eb * s)
+        ev_logits = stack_logits_bytes(spec, cfg, dt, eb * s, rows=eb)
         phases["evaluation"] = {**persistent, "activations": ev,
                                 "logits": ev_logits["forward"] - ev_logits["held"]
                                 + logits["held"]}
     if cfg.eval.predict_with_generate and cfg.eval.max_new_tokens:
         eb = cfg.eval_batch_size
-        prompt = cfg.data.max_input_length or s
+        # the prompt and, for a vision-language model, its image positions
+        prompt = cfg.data.max_input_length + s - cfg.seq_len if cfg.data.max_input_length else s
         kv = kv_cache_bytes(spec, eb, prompt + cfg.eval.max_new_tokens, dt.act_bytes)
         phases["generation"] = {
             **persistent,

@@ -72,7 +72,15 @@ def _read_spec(config: dict[str, Any], name: str, where: str | None) -> ModelSpe
             vision = hf_vision.glm4v_vision(f, spec)
             note = (f"GLM-4V resizes every image to {vision.image_size}x{vision.image_size}: "
                     f"{vision.tokens_per_image} tokens per image")
-            spec = replace(spec, vision=vision, assumptions=(*spec.assumptions, note))
+            # THUDM/glm-4v-9b modeling_chatglm.py (mid-2024): SelfAttention builds
+            # CoreAttention (baddbmm scores, fp32 softmax) whatever attn_implementation
+            # says; CORE_ATTENTION_CLASSES is defined but not used (THUDM/GLM-4#420)
+            eager = ("GLM-4V's language model runs its own eager CoreAttention (fp32 softmax "
+                     "over heads × tokens²) whatever attn_implementation says: "
+                     "modeling_chatglm.py SelfAttention builds CoreAttention, not "
+                     "CORE_ATTENTION_CLASSES (THUDM/GLM-4#420)")
+            spec = replace(spec, vision=vision, sdpa_supported=False,
+                           assumptions=(*spec.assumptions, note, eager))
         return spec
     if model_type == "llava" and f.config.get("text_config") is not None:
         return hf_vision.llava_spec(f, name)
