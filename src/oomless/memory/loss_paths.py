@@ -103,6 +103,8 @@ def _fused(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int, kind: str) -> di
         chunk = min(t, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(t / math.ceil(v / h)))))))
         saved = a * t * h + 4 * t + lm_head_grad  # grad_input (+ grad_weight), loss_1d
         return {"forward": saved + a * chunk * v, "backward": saved, "held": 0}
+    if kind == "torchtune-chunked" and stack_effects(cfg).compiled:
+        return _torchtune_compiled(t, v, a)
     if kind.startswith("torchtune"):
         return _torchtune(t, v, a, kind)
     if kind == "unsloth-triton":
@@ -140,6 +142,23 @@ def _torchtune(t: int, v: int, a: int, kind: str) -> dict[str, float]:
     return {"forward": forward, "backward": backward, "held": 0}
 
 
+def _torchtune_compiled(t: int, v: int, a: int) -> dict[str, float]:
+    """torchtune's chunked cross-entropy with ``compile_loss``: each chunk's
+    ``compute_cross_entropy`` is one compiled region. The partitioner saves the chunk's
+    16-bit logits (the model's own, which the save keeps alive after the recipe deletes
+    them), its labels and two fp32 statistics per row (oomless.memory.activations.compiled_layer_bytes); the fp32
+    upcast and the log-probabilities are fused away. In the backward every chunk's loss
+    node runs before the output projection's (autograd runs the higher sequence numbers
+    first), so the 16-bit gradients of all chunks meet the last chunk's saved logits."""
+    from .activations import compiled_chunk_loss_bytes
+
+    chunk = math.ceil(t / TORCHTUNE_CHUNKS) * v
+    saved = compiled_chunk_loss_bytes(t, a)
+    small = saved["labels"] + saved["rows"]
+    return {"forward": saved["logits"] * v + small,
+            "backward": a * t * v + a * chunk + saved["rows"], "held": 0}
+
+
 def largest_logits_block_bytes(spec: ModelSpec, cfg: RunConfig, t: int) -> float:
     """The largest single block the loss allocates: one fp32 t × V tensor, or a fused
     loss's tile."""
@@ -148,6 +167,8 @@ def largest_logits_block_bytes(spec: ModelSpec, cfg: RunConfig, t: int) -> float
         return C.LOSS_FP32_BYTES * t * spec.vocab_size
     if fx.fused_loss == "unsloth":
         return min(UNSLOTH_BYTES_PER_LOGIT * t * spec.vocab_size, UNSLOTH_TARGET_BYTES) / 4
+    if fx.fused_loss == "torchtune-chunked" and fx.compiled:
+        return 2 * math.ceil(t / TORCHTUNE_CHUNKS) * spec.vocab_size  # one 16-bit chunk
     if fx.fused_loss.startswith("torchtune"):
         return C.LOSS_FP32_BYTES * math.ceil(t / TORCHTUNE_CHUNKS) * spec.vocab_size
     if fx.fused_loss == "unsloth-triton" or (fx.fused_loss == "unsloth-cce"
