@@ -103,10 +103,13 @@ def _fused(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int, kind: str) -> di
         chunk = min(t, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(t / math.ceil(v / h)))))))
         saved = a * t * h + 4 * t + lm_head_grad  # grad_input (+ grad_weight), loss_1d
         return {"forward": saved + a * chunk * v, "backward": saved, "held": 0}
-    if kind == "torchtune-chunked" and stack_effects(cfg).compiled:
-        return _torchtune_compiled(t, v, a)
     if kind.startswith("torchtune"):
-        return _torchtune(t, v, a, kind)
+        compiled = kind == "torchtune-chunked" and stack_effects(cfg).compiled
+        out = _torchtune_compiled(t, v, a) if compiled else _torchtune(t, v, a, kind)
+        if kind == "torchtune-chunked":
+            out["backward"] = max(out["backward"], _chunked_output_backward(
+                t, v, h, a, dt.grad_bytes if cfg.method == "full" else 0))
+        return out
     if kind == "unsloth-triton":
         # the bf16 logits, saved; per-row loss and logsumexp in fp32; the backward's
         # gradient overwrites the logits (kernels/cross_entropy_loss.py)
@@ -157,6 +160,21 @@ def _torchtune_compiled(t: int, v: int, a: int) -> dict[str, float]:
     small = saved["labels"] + saved["rows"]
     return {"forward": saved["logits"] * v + small,
             "backward": a * t * v + a * chunk + saved["rows"], "held": 0}
+
+
+def _chunked_output_backward(t: int, v: int, h: int, a: int, grad_bytes: int) -> float:
+    """torchtune's chunked output (modules/transformer.py TransformerDecoder.chunked_output:
+    the output projection once per chunk): every chunk's loss backward runs before the
+    projection's (autograd runs the higher sequence numbers first), so the chunks' 16-bit
+    logit gradients wait for it. A trained projection's weight gradient of each chunk
+    (vocab × hidden) is summed into the previous ones in autograd's input buffer before
+    AccumulateGrad runs: two of them alive from the second chunk on; the hidden states'
+    gradient (t × hidden) fills as the chunks return."""
+    rows = math.ceil(t / TORCHTUNE_CHUNKS)
+    weight = grad_bytes * v * h
+    first = a * t * v + weight + a * t * h
+    second = a * (t - rows) * v + 2 * weight + a * t * h if weight else 0
+    return max(first, second)
 
 
 def largest_logits_block_bytes(spec: ModelSpec, cfg: RunConfig, t: int) -> float:

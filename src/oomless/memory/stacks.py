@@ -195,8 +195,10 @@ def _effects(stack: str, method: str, zero: int, grad_ckpt: bool, precision: str
     if opts.compile:
         fx = replace(fx, compiled=True)
         if not fx.fused_loss.startswith("torchtune-chunked"):
-            notes.append("torch.compile of the loss: only torchtune's chunked cross-entropy "
-                         "was traced compiled; this loss is counted eager (an upper bound)")
+            notes.append("torch.compile of the loss: only torchtune's chunked-output "
+                         "cross-entropy was traced compiled; this loss is counted eager (an "
+                         "upper bound; torchtune's LinearCrossEntropyLoss.apply_compile_strategy "
+                         "skipped compiling it in its first releases)")
     if cfg.stack == "llamafactory" and cfg.stage in ("dpo", "kto", "orpo", "simpo", "ppo"):
         notes.append("LLaMA-Factory keeps the full logits in preference stages (Liger's fused "
                      "loss is switched off there)")
