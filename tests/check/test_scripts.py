@@ -681,3 +681,19 @@ def test_llamafactory_arguments_on_the_command_line_and_its_yaml_launch():
     full = read_files(CheckOptions(files=(str(CORPUS / base / "full_multi_gpu/single_node.sh"),)))
     assert full.run["method"] == "full" and full.run["zero"] == 3
     assert full.run["hardware"]["gpus_per_node"] == 4  # --nproc_per_node $NPROC_PER_NODE
+
+
+def test_hf_and_axolotl_torch_compile_reach_the_compile_mechanism(tmp_path):
+    """TrainingArguments.torch_compile (a launch flag, or axolotl's key that it passes on)
+    turns on the partitioner's saved tensors for the layers; the loss stays eager."""
+    path = _script(tmp_path, "python train.py --model_name_or_path qwen2.5-7b-instruct "
+                   "--model_max_length 1024 --bf16 True --torch_compile True\n")
+    launch = read_files(CheckOptions(files=(path,))).run
+    assert launch["stack_options"] == {"compile": True}
+    text = (CORPUS / "axolotl/lora-8b.yml").read_text()
+    assert "torch_compile" not in text
+    (tmp_path / "lora.yml").write_text(text + "torch_compile: true\n")
+    eager = check(CheckOptions(files=(str(CORPUS / "axolotl/lora-8b.yml"),), gpu="a100-80gb"))
+    compiled = check(CheckOptions(files=(str(tmp_path / "lora.yml"),), gpu="a100-80gb"))
+    assert compiled.config["stack_options"]["compile"] is True
+    assert compiled.device_peak_bytes <= eager.device_peak_bytes
