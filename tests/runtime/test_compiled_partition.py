@@ -18,13 +18,14 @@ from oomless.memory.activations import (
 )
 from oomless.models.spec import ModelSpec
 from oomless.runtime.trace.compiled import (
+    LAYER_FAMILIES,
     PROBE,
     chunk_loss,
     chunk_loss_saved,
     decoder_layer_saved,
     layer_inputs,
     saved_widths,
-    tiny_llama_layer,
+    tiny_layer,
 )
 
 # other dimensions than the probe's, to show the table is not the probe's numbers
@@ -59,7 +60,7 @@ def _activations(saved: list[torch.Tensor], params) -> list[torch.Tensor]:
 
 
 def _hooked_layer(backend: str | None) -> list[tuple[tuple, str]]:
-    layer, rotary = tiny_llama_layer(PROBE)
+    layer, rotary = tiny_layer("llama", PROBE)
     x, (cos, sin) = layer_inputs(rotary, PROBE)
     call = layer if backend is None else torch.compile(layer, backend=backend, fullgraph=True)
 
@@ -115,20 +116,21 @@ def test_the_compiled_chunk_loss_keeps_its_16bit_input_not_fp32_log_probabilitie
         Counter((s.shape, s.dtype) for s in traced)
 
 
-def _spec(d: dict) -> ModelSpec:
-    return ModelSpec(name="probe", model_type="llama", vocab_size=d["vocab"],
+def _spec(d: dict, family: str = "llama") -> ModelSpec:
+    return ModelSpec(name="probe", model_type=family, vocab_size=d["vocab"],
                      hidden_size=d["hidden"], num_layers=1, num_heads=d["heads"],
                      num_kv_heads=d["kv_heads"], head_dim=d["head_dim"],
                      intermediate_size=d["intermediate"])
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
-def test_the_table_evaluated_at_other_dimensions_is_a_fresh_trace_there(method):
-    saved = decoder_layer_saved(OTHER, method)
+@pytest.mark.parametrize("family,method", [("llama", "full"), ("llama", "lora"),
+                                           ("qwen3", "full")])
+def test_the_table_evaluated_at_other_dimensions_is_a_fresh_trace_there(family, method):
+    saved = decoder_layer_saved(OTHER, method, family)
     traced = sum(s.nbytes for s in saved if s.input_index != 1 and s.input_index != 2)
     cfg = RunConfig(model="probe", method=method, lora={"r": OTHER["lora_r"]})
     tokens = OTHER["batch"] * OTHER["seq"]
-    assert compiled_layer_bytes(_spec(OTHER), cfg, 2, tokens) == traced
+    assert compiled_layer_bytes(_spec(OTHER, family), cfg, 2, tokens) == traced
     rows = chunk_loss_saved(tokens, OTHER["vocab"])
     pure = compiled_chunk_loss_bytes(tokens, 2)
     assert pure["logits"] * OTHER["vocab"] + pure["labels"] + pure["rows"] == sum(
@@ -140,6 +142,7 @@ def test_the_committed_table_is_the_installed_torch_trace():
     tokens = PROBE["batch"] * PROBE["seq"]
     regions = compiled_table()["regions"]
     assert regions["chunked-ce"] == saved_widths(chunk_loss_saved(), tokens, PROBE)
-    for method in ("full", "frozen", "lora"):
-        assert regions[f"llama-layer-{method}"] == saved_widths(
-            decoder_layer_saved(PROBE, method), tokens, PROBE)
+    for family in LAYER_FAMILIES:
+        for method in ("full", "frozen", "lora"):
+            assert regions[f"{family}-layer-{method}"] == saved_widths(
+                decoder_layer_saved(PROBE, method, family), tokens, PROBE)

@@ -248,7 +248,8 @@ def layer_activation_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: La
 # training/_compile.py ``compile_model``, ``compile_loss``).
 #
 # The saved tensors are not a formula here: oomless/data/compiled_saved.json holds them
-# as the partitioner chose them for a Llama layer (full, frozen, LoRA on every linear) and
+# as the partitioner chose them for the decoder layer of Llama, Mistral, Qwen2 and Qwen3
+# (transformers' classes; full, frozen, LoRA on every linear) and
 # one chunk of torchtune's cross-entropy, each as a width per token (a model dimension)
 # and an element size, written by ``benchmarks/compiled_partition.py`` from
 # :func:`oomless.runtime.trace.compiled.partition_saved` and checked against a fresh
@@ -276,12 +277,13 @@ def _element_bytes(row: dict, act_bytes: int) -> int:
 
 
 def layer_region(spec: ModelSpec, cfg: RunConfig) -> str | None:
-    """The traced layer that stands for this model's, or None (not traced: can't tell)."""
-    if spec.model_type not in compiled_table()["layer_families"] or spec.is_moe:
-        return None
+    """The traced layer of this model's family and method, or None (not traced: the
+    eager walk stands, said in the assumptions)."""
     kind = "full" if cfg.method == "full" else "lora" if cfg.method in ("lora", "qlora",
                                                                          "dora") else None
-    return f"llama-layer-{kind}" if kind else None
+    region = f"{spec.model_type}-layer-{kind}"
+    return region if kind and not spec.is_moe and region in compiled_table()["regions"] \
+        else None
 
 
 def compiled_layer_bytes(spec: ModelSpec, cfg: RunConfig, act_bytes: int,
@@ -309,11 +311,11 @@ def compiled_chunk_loss_bytes(t: int, act_bytes: int) -> dict[str, int]:
     return out
 
 
-def compiled_assumption(spec: ModelSpec, cfg: RunConfig) -> str:
-    table = compiled_table()
+def compiled_assumption(spec: ModelSpec, cfg: RunConfig, chunked_loss: bool) -> str:
     region = layer_region(spec, cfg)
     layer = (f"each decoder layer saves what the partitioner kept for {region}"
              if region else f"decoder layers: {spec.model_type} was not traced compiled "
              "(its eager saved tensors are counted: an upper bound)")
-    return (f"torch.compile: {layer}; the chunked loss saves its 16-bit logits and per-row "
-            f"fp32 statistics instead of fp32 log-probabilities ({table['source']})")
+    loss = ("; the chunked loss saves its 16-bit logits and per-row fp32 statistics instead "
+            "of fp32 log-probabilities" if chunked_loss else "")
+    return f"torch.compile: {layer}{loss} ({compiled_table()['source']})"

@@ -362,8 +362,9 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
         )
     out += moe_lora_assumptions(spec, cfg) + stage_assumptions(spec, cfg)
     out += unsloth_load_assumptions(spec, cfg)
-    if stack_effects(cfg).compiled:
-        out.append(compiled_assumption(spec, cfg))
+    fx = stack_effects(cfg)
+    if fx.compiled:
+        out.append(compiled_assumption(spec, cfg, fx.fused_loss == "torchtune-chunked"))
     if cfg.eval.predict_with_generate:
         out.append("generation: HF generate with a dynamic KV cache in the activation dtype")
     return out

@@ -15,8 +15,9 @@ torchtune compiles (pytorch/torchtune@bd2a0fc training/_compile.py ``compile_mod
 every ``TransformerSelfAttentionLayer``; ``compile_loss``: the chunked loss's
 ``compute_cross_entropy``, one chunk per call):
 
-- :func:`decoder_layer_saved` — a transformers ``LlamaDecoderLayer`` (the same RMSNorm,
-  grouped-query attention with RoPE, SDPA and SwiGLU as torchtune's Llama layer);
+- :func:`decoder_layer_saved` — transformers' decoder layer of each of ``LAYER_FAMILIES``
+  (Llama's has the same RMSNorm, grouped-query attention with RoPE, SDPA and SwiGLU as
+  torchtune's Llama layer);
 - :func:`chunk_loss_saved` — ``cross_entropy(logits.float(), labels, reduction="sum")``
   on one chunk of 16-bit logits, as torchtune modules/loss/ce_chunked_output_loss.py
   ``CEWithChunkedOutputLoss.compute_cross_entropy`` computes it.
@@ -107,19 +108,27 @@ def _fake_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def tiny_llama_layer(dims: dict[str, int] = PROBE) -> Any:
-    """A transformers LlamaDecoderLayer in bf16 with SDPA and its rotary embedding."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+# decoder layers traced: transformers' own classes, built from their configs (each the
+# RMSNorm, grouped-query attention with RoPE, SDPA and SwiGLU of torchtune's Llama layer;
+# Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorms)
+LAYER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
-    config = LlamaConfig(hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
-                         num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"],
-                         head_dim=dims["head_dim"], vocab_size=dims["vocab"],
-                         num_hidden_layers=1, max_position_embeddings=4 * dims["seq"])
+
+def tiny_layer(model_type: str = "llama", dims: dict[str, int] = PROBE) -> Any:
+    """The first decoder layer of a one-layer ``model_type`` model (transformers' own
+    class) in bf16 with SDPA, and the model's rotary embedding."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type, hidden_size=dims["hidden"], intermediate_size=dims["intermediate"],
+        num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"],
+        head_dim=dims["head_dim"], vocab_size=dims["vocab"], num_hidden_layers=1,
+        max_position_embeddings=4 * dims["seq"])
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    layer = LlamaDecoderLayer(config, layer_idx=0).to(torch.bfloat16).train()
-    return layer, LlamaRotaryEmbedding(config)
+    model = AutoModelForCausalLM.from_config(config)
+    layer = model.model.layers[0].to(torch.bfloat16).train()
+    return layer, model.model.rotary_emb
 
 
 def layer_inputs(rotary: Any, dims: dict[str, int]) -> tuple[torch.Tensor, tuple]:
@@ -153,10 +162,11 @@ def _with_lora(layer: Any, rank: int) -> Any:
     return inject_adapter_in_model(config, layer).to(torch.bfloat16)
 
 
-def decoder_layer_saved(dims: dict[str, int] = PROBE, method: str = "full") -> list[Saved]:
-    """What one compiled Llama decoder layer saves: ``method`` "full" (every weight
-    trainable), "frozen" (none) or "lora" (PEFT LoRA on every linear, only it trainable)."""
-    layer, rotary = tiny_llama_layer(dims)
+def decoder_layer_saved(dims: dict[str, int] = PROBE, method: str = "full",
+                        model_type: str = "llama") -> list[Saved]:
+    """What one compiled decoder layer saves: ``method`` "full" (every weight trainable),
+    "frozen" (none) or "lora" (PEFT LoRA on every linear, only it trainable)."""
+    layer, rotary = tiny_layer(model_type, dims)
     if method == "lora":
         layer = _with_lora(layer, dims["lora_r"])
     with _fake_mode():
