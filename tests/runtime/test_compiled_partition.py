@@ -146,3 +146,12 @@ def test_the_committed_table_is_the_installed_torch_trace():
         for method in ("full", "frozen", "lora"):
             assert regions[f"{family}-layer-{method}"] == saved_widths(
                 decoder_layer_saved(PROBE, method, family), tokens, PROBE)
+
+
+def test_a_compiled_run_is_estimated_from_the_partitioner_not_the_eager_tracker():
+    from oomless.runtime.trace.stacks import trace_unsupported
+
+    cfg = RunConfig(model="qwen2.5-0.5b-instruct", method="lora",
+                    stack_options={"compile": True})
+    assert "partitioner's trace" in trace_unsupported(cfg)
+    assert trace_unsupported(RunConfig(model="qwen2.5-0.5b-instruct", method="lora")) is None

@@ -316,6 +316,10 @@ def compiled_assumption(spec: ModelSpec, cfg: RunConfig, chunked_loss: bool) -> 
     layer = (f"each decoder layer saves what the partitioner kept for {region}"
              if region else f"decoder layers: {spec.model_type} was not traced compiled "
              "(its eager saved tensors are counted: an upper bound)")
+    if region and cfg.method != "full":
+        layer += (" (LoRA traced on every linear, an upper bound for fewer targets"
+                  + ("; the 4-bit base traced as 16-bit linears" if cfg.method == "qlora"
+                     else "") + ")")
     loss = ("; the chunked loss saves its 16-bit logits and per-row fp32 statistics instead "
             "of fp32 log-probabilities" if chunked_loss else "")
     return f"torch.compile: {layer}{loss} ({compiled_table()['source']})"
