@@ -26,6 +26,7 @@ from oomless.runtime.trace.compiled import (
     layer_inputs,
     saved_widths,
     tiny_layer,
+    with_lora,
 )
 
 # other dimensions than the probe's, to show the table is not the probe's numbers
@@ -59,17 +60,22 @@ def _activations(saved: list[torch.Tensor], params) -> list[torch.Tensor]:
     return out
 
 
-def _hooked_layer(backend: str | None) -> list[tuple[tuple, str]]:
-    layer, rotary = tiny_layer("llama", PROBE)
+def _hooked_layer(backend: str | None, method: str = "full",
+                  family: str = "llama") -> list[tuple[int, str]]:
+    """(storage bytes, dtype) of what autograd saves for one real layer call on CPU."""
+    layer, rotary = tiny_layer(family, PROBE)
+    if method == "lora":
+        layer = with_lora(layer, PROBE["lora_r"])
+        for name, p in layer.named_parameters():
+            p.requires_grad_("lora_" in name)
     x, (cos, sin) = layer_inputs(rotary, PROBE)
+    torch._dynamo.reset()
     call = layer if backend is None else torch.compile(layer, backend=backend, fullgraph=True)
 
     def run():
         out = call(x, position_embeddings=(cos, sin), attention_mask=None)
         return out[0] if isinstance(out, tuple) else out
 
-    if backend is not None:
-        torch._dynamo.reset()
     tensors = _activations(_saved_by_hooks(run), layer.parameters())
     return [(t.untyped_storage().nbytes(), str(t.dtype).removeprefix("torch."))
             for t in tensors]
@@ -85,13 +91,20 @@ def test_the_partitioner_saves_fewer_bytes_than_eager_autograd():
     assert not [s for s in traced if s.dtype == "float32" and s.nbytes == 4 * hidden]
 
 
-def test_the_trace_is_what_a_compiled_run_saves():
+@pytest.mark.parametrize("family,method", [
+    ("llama", "full"),
+    pytest.param("llama", "lora", marks=pytest.mark.slow),
+    pytest.param("qwen3", "full", marks=pytest.mark.slow)])
+def test_the_trace_is_what_a_compiled_run_saves(family, method):
     """torch.compile with the partitioning backend that runs inductor's decompositions and
-    the min-cut partitioner without generating code: the saved tensors autograd's hooks
-    see are the fake trace's, tensor for tensor."""
-    traced = Counter((s.nbytes, s.dtype) for s in decoder_layer_saved(PROBE, "full"))
-    compiled = Counter(_hooked_layer("aot_eager_decomp_partition"))
+    the min-cut partitioner without generating code (PEFT's LoRA layers included, whole
+    graph): the saved tensors autograd's hooks see are the fake trace's, tensor for tensor,
+    and fewer bytes than eager autograd keeps."""
+    traced = Counter((s.nbytes, s.dtype) for s in decoder_layer_saved(PROBE, method, family))
+    compiled = Counter(_hooked_layer("aot_eager_decomp_partition", method, family))
     assert compiled == traced
+    assert sum(n * k for (n, _), k in compiled.items()) < sum(
+        n for n, _ in _hooked_layer(None, method, family))
 
 
 @pytest.mark.slow

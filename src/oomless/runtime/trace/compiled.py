@@ -153,7 +153,7 @@ def layer_call(layer: Any) -> Callable[..., torch.Tensor]:
     return call
 
 
-def _with_lora(layer: Any, rank: int) -> Any:
+def with_lora(layer: Any, rank: int) -> Any:
     """PEFT's LoRA (its real layer code) on every linear of the layer, adapters in bf16."""
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -168,7 +168,7 @@ def decoder_layer_saved(dims: dict[str, int] = PROBE, method: str = "full",
     "frozen" (none) or "lora" (PEFT LoRA on every linear, only it trainable)."""
     layer, rotary = tiny_layer(model_type, dims)
     if method == "lora":
-        layer = _with_lora(layer, dims["lora_r"])
+        layer = with_lora(layer, dims["lora_r"])
     with _fake_mode():
         x, (cos, sin) = layer_inputs(rotary, dims)
         params = [p.detach().clone().requires_grad_(
