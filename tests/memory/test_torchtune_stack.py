@@ -110,4 +110,6 @@ def test_compile_lowers_the_estimate_and_says_where_its_numbers_come_from():
     assert any("min_cut_rematerialization_partition" in a for a in compiled.assumptions)
     other = RunConfig(model="phi-3-mini-4k-instruct", method="full", stack="torchtune",
                       stack_options={"compile": True})
-    assert any("was not traced compiled" in a for a in estimate(other).assumptions)
+    assert any("no partitioner trace" in a for a in estimate(other).assumptions)
+    eager_attention = _cfg(attn="eager", stack_options={"compile": True})  # traced with SDPA
+    assert any("no partitioner trace" in a for a in estimate(eager_attention).assumptions)

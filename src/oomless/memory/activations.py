@@ -25,7 +25,7 @@ from ..allocator import fresh_block_bytes
 from ..config import RunConfig
 from ..models.spec import ModelSpec
 from . import constants as C
-from .gemma import rms_normed_bytes, softcap_scores_bytes
+from .gemma import effective_attn, rms_normed_bytes, softcap_scores_bytes
 from .precision import Dtypes
 
 
@@ -282,8 +282,9 @@ def layer_region(spec: ModelSpec, cfg: RunConfig) -> str | None:
     kind = "full" if cfg.method == "full" else "lora" if cfg.method in ("lora", "qlora",
                                                                          "dora") else None
     region = f"{spec.model_type}-layer-{kind}"
-    return region if kind and not spec.is_moe and region in compiled_table()["regions"] \
-        else None
+    fused = effective_attn(spec, cfg.attn) != "eager"  # traced with SDPA (lse, not scores)
+    return region if kind and fused and not spec.is_moe and \
+        region in compiled_table()["regions"] else None
 
 
 def compiled_layer_bytes(spec: ModelSpec, cfg: RunConfig, act_bytes: int,
@@ -314,8 +315,9 @@ def compiled_chunk_loss_bytes(t: int, act_bytes: int) -> dict[str, int]:
 def compiled_assumption(spec: ModelSpec, cfg: RunConfig, chunked_loss: bool) -> str:
     region = layer_region(spec, cfg)
     layer = (f"each decoder layer saves what the partitioner kept for {region}"
-             if region else f"decoder layers: {spec.model_type} was not traced compiled "
-             "(its eager saved tensors are counted: an upper bound)")
+             if region else f"decoder layers: no partitioner trace for {spec.model_type} "
+             f"{cfg.method} with {effective_attn(spec, cfg.attn)} attention (the eager saved "
+             "tensors are counted: an upper bound)")
     if region and cfg.method != "full":
         layer += (" (LoRA traced on every linear, an upper bound for fewer targets"
                   + ("; the 4-bit base traced as 16-bit linears" if cfg.method == "qlora"
