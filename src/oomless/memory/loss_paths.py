@@ -20,7 +20,8 @@ Fused losses never build the t × V logits: Liger's fused linear cross-entropy
 computes in the forward), TRL's fused LM head (4096-token × 32768-entry tiles, an fp32
 t × hidden gradient in the backward), Unsloth's fused cross-entropy (chunks sized to
 16 B per logit within 4 GiB) and torchtune's chunked cross-entropy (8 chunks upcast one
-at a time; their fp32 log-probabilities saved).
+at a time; their fp32 log-probabilities saved, or under ``compile_loss`` their 16-bit
+logits and per-row statistics, as the min-cut partitioner chooses).
 """
 
 from __future__ import annotations
@@ -149,8 +150,9 @@ def _torchtune_compiled(t: int, v: int, a: int) -> dict[str, float]:
     """torchtune's chunked cross-entropy with ``compile_loss``: each chunk's
     ``compute_cross_entropy`` is one compiled region. The partitioner saves the chunk's
     16-bit logits (the model's own, which the save keeps alive after the recipe deletes
-    them), its labels and two fp32 statistics per row (oomless.memory.activations.compiled_layer_bytes); the fp32
-    upcast and the log-probabilities are fused away. In the backward every chunk's loss
+    them), its labels and two fp32 statistics per row
+    (oomless.memory.activations.compiled_chunk_loss_bytes); the fp32 upcast and the
+    log-probabilities are fused away. In the backward every chunk's loss
     node runs before the output projection's (autograd runs the higher sequence numbers
     first), so the 16-bit gradients of all chunks meet the last chunk's saved logits."""
     from .activations import compiled_chunk_loss_bytes

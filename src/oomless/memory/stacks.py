@@ -113,7 +113,7 @@ class StackEffects:
     fused_loss: str = ""  # "", "liger", "trl", "unsloth", "cce"
     offload_checkpoints: bool = False
     optimizer_in_bwd: bool = False  # gradients stepped and freed one parameter at a time
-    compiled: bool = False  # torch.compile: saved tensors from the partitioner (activations.py compiled_layer_bytes)
+    compiled: bool = False  # torch.compile: saved tensors from the partitioner's trace
     # prepare_model_for_kbit_training ran: every 16-bit non-quantized parameter was fp32
     # before the stack's recasts; setup_cache: the freed 16-bit originals stay in the
     # caching allocator (PEFT before PR #3293 added torch.cuda.empty_cache)
