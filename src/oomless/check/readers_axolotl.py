@@ -85,12 +85,18 @@ def _stack_options(d: dict[str, Any], src: Source, r: Reading) -> dict[str, Any]
     ActivationOffloadingMixin wraps the checkpointed layers in TRL's OffloadActivations:
     their inputs wait in host RAM, as torchtune's) and the Cut Cross-Entropy plugin
     (axolotl.integrations.cut_cross_entropy: cut_cross_entropy's linear_cross_entropy
-    replaces the lm_head and the loss, no logits)."""
+    replaces the lm_head and the loss, no logits) and ``torch_compile`` (passed to
+    transformers' TrainingArguments: the model compiled, stack_options.compile)."""
     out: dict[str, Any] = {}
     if d.get("activation_offloading") and d.get("gradient_checkpointing"):
         out["offload_checkpoints"] = True
         r.assumptions.append(f"{src.where('activation_offloading')}: checkpointed layer inputs "
                              "offloaded to host RAM (axolotl ActivationOffloadingMixin)")
+    if d.get("torch_compile") is True:
+        out["compile"] = True
+        r.assumptions.append(f"{src.where('torch_compile')}: torch.compile (transformers "
+                             "TrainingArguments.torch_compile): layers' saved tensors from the "
+                             "min-cut partitioner's trace, the loss counted eager")
     if any("cut_cross_entropy" in str(p) for p in d.get("plugins") or ()):
         out["cut_cross_entropy"] = True
         r.assumptions.append(f"{src.where('plugins')}: Cut Cross-Entropy: the loss without "

@@ -122,6 +122,9 @@ class StackOptions(_Section):
     chunked_loss: bool | None = Field(None, description="torchtune: a chunked cross-entropy "
                                       "(CEWithChunkedOutputLoss / LinearCrossEntropyLoss) "
                                       "instead of torch's (null: the recipes' default, chunked)")
+    compile: bool = Field(False, description="torch.compile of the decoder layers and the loss "
+                          "(torchtune compile: True): the saved tensors are what AOTAutograd's "
+                          "min-cut partitioner keeps (oomless/data/compiled_saved.json)")
 
 
 class DeepSpeedConfig(_Section):

@@ -9,16 +9,23 @@ gradient; SiLU/GELU save their input; softmax saves its output). Tensors saved
 by several ops are counted once. This generalises Korthikanti et al. 2022
 (arXiv 2205.05198, sbh(34 + 5as/h)) to GQA, gated MLPs, RMSNorm in fp32,
 frozen weights (LoRA) and flash/SDPA kernels.
+
+Under torch.compile the walk does not apply: see "torch.compile" at the end of this
+module (:func:`compiled_layer_bytes`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from functools import cache
+from importlib import resources
 
 from ..allocator import fresh_block_bytes
+from ..config import RunConfig
 from ..models.spec import ModelSpec
 from . import constants as C
-from .gemma import rms_normed_bytes, softcap_scores_bytes
+from .gemma import effective_attn, rms_normed_bytes, softcap_scores_bytes
 from .precision import Dtypes
 
 
@@ -227,3 +234,94 @@ def layer_activation_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: La
             _mlp(saved, spec, t, spec.shared_expert_intermediate_size, dt, plan, src, nb,
                  "shared")
     return saved.total
+
+
+# ---- torch.compile ------------------------------------------------------------------
+# What a compiled region saves for backward, from the partitioner's trace.
+#
+# With ``torch.compile`` AOTAutograd traces each compiled region's joint forward and
+# backward, and ``torch._functorch.partitioners.min_cut_rematerialization_partition``
+# picks the tensors handed to the backward: cheap pointwise results (a norm's normalised
+# output before the weight, SiLU × mul, fp32 upcasts) are recomputed instead of saved,
+# and inductor fuses the pointwise kernels so their buffers never exist. torchtune
+# compiles every decoder layer and its chunked loss (pytorch/torchtune@bd2a0fc
+# training/_compile.py ``compile_model``, ``compile_loss``).
+#
+# The saved tensors are not a formula here: oomless/data/compiled_saved.json holds them
+# as the partitioner chose them for the decoder layer of Llama, Mistral, Qwen2 and Qwen3
+# (transformers' classes; full, frozen, LoRA on every linear) and
+# one chunk of torchtune's cross-entropy, each as a width per token (a model dimension)
+# and an element size, written by ``benchmarks/compiled_partition.py`` from
+# :func:`oomless.runtime.trace.compiled.partition_saved` and checked against a fresh
+# trace by the tests. This module evaluates the table at a model's dimensions.
+
+
+@cache
+def compiled_table() -> dict:
+    text = resources.files("oomless.data").joinpath("compiled_saved.json").read_text("utf-8")
+    return json.loads(text)
+
+
+def width_of(spec: ModelSpec, cfg: RunConfig, width: str) -> int:
+    """A saved tensor's elements per token at this model's dimensions."""
+    return {"1": 1, "hidden": spec.hidden_size, "intermediate": spec.intermediate_size,
+            "heads": spec.num_heads, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+            "q_width": spec.q_dim, "kv_width": spec.kv_dim, "vocab": spec.vocab_size,
+            "lora_r": cfg.lora.r}[width]
+
+
+def _element_bytes(row: dict, act_bytes: int) -> int:
+    """16-bit entries take the run's activation dtype; fp32 statistics and int64 labels
+    keep theirs."""
+    return act_bytes if row["bytes"] == 2 else row["bytes"]
+
+
+def layer_region(spec: ModelSpec, cfg: RunConfig) -> str | None:
+    """The traced layer of this model's family and method, or None (not traced: the
+    eager walk stands, said in the assumptions)."""
+    kind = "full" if cfg.method == "full" else "lora" if cfg.method in ("lora", "qlora",
+                                                                         "dora") else None
+    region = f"{spec.model_type}-layer-{kind}"
+    fused = effective_attn(spec, cfg.attn) != "eager"  # traced with SDPA (lse, not scores)
+    return region if kind and fused and not spec.is_moe and \
+        region in compiled_table()["regions"] else None
+
+
+def compiled_layer_bytes(spec: ModelSpec, cfg: RunConfig, act_bytes: int,
+                         tokens: int) -> int | None:
+    """Bytes one compiled decoder layer saves for backward over ``tokens`` tokens: every
+    tensor the partitioner keeps, the layer's input included, the RoPE tables (shared by
+    all layers, counted once elsewhere) left out; None when the family was not traced."""
+    region = layer_region(spec, cfg)
+    if region is None:
+        return None
+    rows = compiled_table()["regions"][region]
+    return sum(_element_bytes(r, act_bytes) * width_of(spec, cfg, r["width"]) * tokens
+               for r in rows if not (r["input"] and r["width"] == "head_dim"))
+
+
+def compiled_chunk_loss_bytes(t: int, act_bytes: int) -> dict[str, int]:
+    """Per-token bytes one compiled chunk of torchtune's cross-entropy saves, split into
+    its 16-bit logits input ("logits", per vocabulary entry: the model's own logits,
+    kept alive by the save), the labels input and the fp32 per-row statistics."""
+    rows = compiled_table()["regions"]["chunked-ce"]
+    out = {"logits": 0, "labels": 0, "rows": 0}
+    for r in rows:
+        key = "logits" if r["width"] == "vocab" else "labels" if r["input"] else "rows"
+        out[key] += _element_bytes(r, act_bytes) * t
+    return out
+
+
+def compiled_assumption(spec: ModelSpec, cfg: RunConfig, chunked_loss: bool) -> str:
+    region = layer_region(spec, cfg)
+    layer = (f"each decoder layer saves what the partitioner kept for {region}"
+             if region else f"decoder layers: no partitioner trace for {spec.model_type} "
+             f"{cfg.method} with {effective_attn(spec, cfg.attn)} attention (the eager saved "
+             "tensors are counted: an upper bound)")
+    if region and cfg.method != "full":
+        layer += (" (LoRA traced on every linear, an upper bound for fewer targets"
+                  + ("; the 4-bit base traced as 16-bit linears" if cfg.method == "qlora"
+                     else "") + ")")
+    loss = ("; the chunked loss saves its 16-bit logits and per-row fp32 statistics instead "
+            "of fp32 log-probabilities" if chunked_loss else "")
+    return f"torch.compile: {layer}{loss} ({compiled_table()['source']})"

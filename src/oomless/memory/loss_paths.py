@@ -22,7 +22,8 @@ Fused losses never build the t × V logits: Liger's fused linear cross-entropy
 computes in the forward), TRL's fused LM head (4096-token × 32768-entry tiles, an fp32
 t × hidden gradient in the backward), Unsloth's fused cross-entropy (chunks sized to
 16 B per logit within 4 GiB) and torchtune's chunked cross-entropy (8 chunks upcast one
-at a time; their fp32 log-probabilities saved).
+at a time; their fp32 log-probabilities saved, or under ``compile_loss`` their 16-bit
+logits and per-row statistics, as the min-cut partitioner chooses).
 """
 
 from __future__ import annotations
@@ -115,7 +116,12 @@ def _fused(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int, kind: str) -> di
         saved = a * t * h + 4 * t + lm_head_grad  # grad_input (+ grad_weight), loss_1d
         return {"forward": saved + a * chunk * v, "backward": saved, "held": 0}
     if kind.startswith("torchtune"):
-        return _torchtune(t, v, a, kind)
+        compiled = kind == "torchtune-chunked" and stack_effects(cfg).compiled
+        out = _torchtune_compiled(t, v, a) if compiled else _torchtune(t, v, a, kind)
+        if kind == "torchtune-chunked":
+            out["backward"] = max(out["backward"], _chunked_output_backward(
+                t, v, h, a, dt.grad_bytes if cfg.method == "full" else 0))
+        return out
     if kind == "unsloth-triton":
         # the bf16 logits, saved; per-row loss and logsumexp in fp32; the backward's
         # gradient overwrites the logits (kernels/cross_entropy_loss.py)
@@ -151,6 +157,39 @@ def _torchtune(t: int, v: int, a: int, kind: str) -> dict[str, float]:
     return {"forward": forward, "backward": backward, "held": 0}
 
 
+def _torchtune_compiled(t: int, v: int, a: int) -> dict[str, float]:
+    """torchtune's chunked cross-entropy with ``compile_loss``: each chunk's
+    ``compute_cross_entropy`` is one compiled region. The partitioner saves the chunk's
+    16-bit logits (the model's own, which the save keeps alive after the recipe deletes
+    them), its labels and two fp32 statistics per row
+    (oomless.memory.activations.compiled_chunk_loss_bytes); the fp32 upcast and the
+    log-probabilities are fused away. In the backward every chunk's loss
+    node runs before the output projection's (autograd runs the higher sequence numbers
+    first), so the 16-bit gradients of all chunks meet the last chunk's saved logits."""
+    from .activations import compiled_chunk_loss_bytes
+
+    chunk = math.ceil(t / TORCHTUNE_CHUNKS) * v
+    saved = compiled_chunk_loss_bytes(t, a)
+    small = saved["labels"] + saved["rows"]
+    return {"forward": saved["logits"] * v + small,
+            "backward": a * t * v + a * chunk + saved["rows"], "held": 0}
+
+
+def _chunked_output_backward(t: int, v: int, h: int, a: int, grad_bytes: int) -> float:
+    """torchtune's chunked output (modules/transformer.py TransformerDecoder.chunked_output:
+    the output projection once per chunk): every chunk's loss backward runs before the
+    projection's (autograd runs the higher sequence numbers first), so the chunks' 16-bit
+    logit gradients wait for it. A trained projection's weight gradient of each chunk
+    (vocab × hidden) is summed into the previous ones in autograd's input buffer before
+    AccumulateGrad runs: two of them alive from the second chunk on; the hidden states'
+    gradient (t × hidden) fills as the chunks return."""
+    rows = math.ceil(t / TORCHTUNE_CHUNKS)
+    weight = grad_bytes * v * h
+    first = a * t * v + weight + a * t * h
+    second = a * (t - rows) * v + 2 * weight + a * t * h if weight else 0
+    return max(first, second)
+
+
 def largest_logits_block_bytes(spec: ModelSpec, cfg: RunConfig, t: int) -> float:
     """The largest single block the loss allocates: one fp32 t × V tensor, or a fused
     loss's tile."""
@@ -159,6 +198,8 @@ def largest_logits_block_bytes(spec: ModelSpec, cfg: RunConfig, t: int) -> float
         return C.LOSS_FP32_BYTES * t * spec.vocab_size
     if fx.fused_loss == "unsloth":
         return min(UNSLOTH_BYTES_PER_LOGIT * t * spec.vocab_size, UNSLOTH_TARGET_BYTES) / 4
+    if fx.fused_loss == "torchtune-chunked" and fx.compiled:
+        return 2 * math.ceil(t / TORCHTUNE_CHUNKS) * spec.vocab_size  # one 16-bit chunk
     if fx.fused_loss.startswith("torchtune"):
         return C.LOSS_FP32_BYTES * math.ceil(t / TORCHTUNE_CHUNKS) * spec.vocab_size
     if fx.fused_loss == "unsloth-triton" or (fx.fused_loss == "unsloth-cce"

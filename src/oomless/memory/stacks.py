@@ -124,6 +124,7 @@ class StackEffects:
     fused_loss: str = ""  # "", "liger", "trl", "unsloth", "cce"
     offload_checkpoints: bool = False
     optimizer_in_bwd: bool = False  # gradients stepped and freed one parameter at a time
+    compiled: bool = False  # torch.compile: saved tensors from the partitioner's trace
     # prepare_model_for_kbit_training ran: every 16-bit non-quantized parameter was fp32
     # before the stack's recasts; setup_cache: the freed 16-bit originals stay in the
     # caching allocator (PEFT before PR #3293 added torch.cuda.empty_cache)
@@ -202,6 +203,13 @@ def _effects(stack: str, method: str, zero: int, grad_ckpt: bool, precision: str
         fx = replace(fx, fused_loss="cce")
     if opts.offload_checkpoints and cfg.grad_ckpt:
         fx = replace(fx, offload_checkpoints=True)
+    if opts.compile:
+        fx = replace(fx, compiled=True)
+        if not fx.fused_loss.startswith("torchtune-chunked"):
+            notes.append("torch.compile of the loss: only torchtune's chunked-output "
+                         "cross-entropy was traced compiled; this loss is counted eager (an "
+                         "upper bound; torchtune's LinearCrossEntropyLoss.apply_compile_strategy "
+                         "skipped compiling it in its first releases)")
     if cfg.stack == "llamafactory" and cfg.stage in ("dpo", "kto", "orpo", "simpo", "ppo"):
         notes.append("LLaMA-Factory keeps the full logits in preference stages (Liger's fused "
                      "loss is switched off there)")
@@ -240,8 +248,9 @@ def _torchtune(fx: StackEffects, cfg: _Inputs, notes: list[str]) -> StackEffects
     if opts.chunked_loss is not False:
         linear = version_tuple(version) >= TORCHTUNE_LINEAR_CE_SINCE
         loss = "torchtune-linear" if linear else "torchtune-chunked"
-    notes.append("torchtune: eager loss (compile: True keeps the 16-bit logits instead of "
-                 "fp32 log-probabilities and needs less; not modelled)")
+    if not opts.compile:
+        notes.append("torchtune: eager (compile: False): the loss keeps fp32 "
+                     "log-probabilities, every layer its eager saved tensors")
     return replace(fx, autocast=False, adapters_16bit=True, fused_loss=loss,
                    optimizer_in_bwd=opts.optimizer_in_bwd and cfg.zero == 0)
 

@@ -15,7 +15,12 @@ from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 from ..result import MemoryEstimate
 from . import constants as C
-from .activations import LayerPlan, layer_activation_bytes
+from .activations import (
+    LayerPlan,
+    compiled_assumption,
+    compiled_layer_bytes,
+    layer_activation_bytes,
+)
 from .after_load import (
     after_load_tensors,
     load_assumption,
@@ -84,6 +89,8 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
     recomputation under gradient checkpointing)."""
     plan = layer_plan(spec, cfg)
     dense = _layer_bytes(spec, b, s, dt, plan, False)
+    if stack_effects(cfg).compiled:  # torch.compile: the partitioner's saved tensors
+        dense = compiled_layer_bytes(spec, cfg, dt.act_bytes, b * s) or dense
     moe = 0
     if spec.is_moe:  # + PEFT's merged expert copies when LoRA wraps the fused experts
         moe = _layer_bytes(spec, b, s, dt, plan, True) + merged_expert_saved_bytes(
@@ -370,6 +377,9 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
         )
     out += moe_lora_assumptions(spec, cfg) + stage_assumptions(spec, cfg)
     out += unsloth_load_assumptions(spec, cfg)
+    fx = stack_effects(cfg)
+    if fx.compiled:
+        out.append(compiled_assumption(spec, cfg, fx.fused_loss == "torchtune-chunked"))
     if cfg.eval.predict_with_generate:
         out.append("generation: HF generate with a dynamic KV cache in the activation dtype")
     return out

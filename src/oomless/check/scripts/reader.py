@@ -279,6 +279,10 @@ def _run(s: dict[str, F.Setting], tool: str | None, src: Source, model: str | No
     }
     if s.get("packing") and s["packing"].value is True:
         run["data"] = {**run.get("data", {}), "packing": True}
+    if s.get("compile") and s["compile"].value is True:  # TrainingArguments.torch_compile
+        run["stack_options"] = {"compile": True}
+        r.assumptions.append(f"{src.where(s['compile'].key)}: torch.compile: the layers' saved "
+                             "tensors from the min-cut partitioner's trace, the loss eager")
     return run
 
 

@@ -4,7 +4,10 @@ is QLoRA of Llama-3.1-8B; data/script_flags.json maps each builder to the catalo
 model of the same shapes), the LoRA arguments of the builder, the optimizer class,
 ``batch_size``, ``gradient_accumulation_steps``, ``enable_activation_checkpointing``,
 ``dtype`` and the tokenizer's ``max_seq_len`` (``null``: the length is the data's,
-check cannot tell it without --seq-len). Distributed recipes shard with FSDP.
+check cannot tell it without --seq-len). Distributed recipes shard with FSDP. The run is
+estimated with the torchtune stack (oomless.memory.stacks.stack_effects), its switches
+read from the recipe's keys (data/script_flags.json ``stack_keys``: ``compile``,
+``optimizer_in_bwd``, ``enable_activation_offloading``).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def read_torchtune(src: Source, model: str | None, recipe: str | None = None) ->
     distributed = bool(recipe and "distributed" in recipe)
     pure = d.get("dtype", "bf16") == "bf16" and method == "full" and not distributed
     r.run = {
-        "model": name, "method": method, "stage": "sft", "stack": "custom-loop",
+        "model": name, "method": method, "stage": "sft", "stack": "torchtune",
         "precision": "pure-bf16" if pure else ("fp32" if d.get("dtype") == "fp32" else "bf16"),
         "optimizer": TABLE["optimizers"].get(opt, "adamw"),
         "micro_batch_size": d.get("batch_size", 1),
@@ -82,8 +85,10 @@ def read_torchtune(src: Source, model: str | None, recipe: str | None = None) ->
     if method == "qlora":
         r.run["quantization"] = {"bits": 4, "type": "nf4", "double_quant": False}
     r.notes.append(f"{src.where('model._component_')}: {component}: {method} of {name}")
-    for key, why in TABLE["memory_keys"].items():
-        if d.get(key):
+    r.run["stack_options"] = {}
+    for key, (option, why) in TABLE["stack_keys"].items():
+        if d.get(key) is True:
+            r.run["stack_options"][option] = True
             r.assumptions.append(f"{src.where(key)}: {key}: {why}")
     r.fixed |= knob_set("grad_ckpt")
     return r

@@ -142,6 +142,10 @@ def trace_unsupported(cfg: RunConfig) -> str | None:
     if fx.fused_loss == "liger" or fx.fused_loss.startswith("unsloth"):
         return (f"the {fx.fused_loss} fused cross-entropy runs Triton kernels, which do not run "
                 "on CPU; its memory is modelled from its source")
+    if fx.compiled:
+        return ("torch.compile (stack_options.compile): the step's tracker sees eager "
+                "autograd; the compiled layers' saved tensors come from the partitioner's "
+                "trace (oomless.runtime.trace.compiled) in the analytic estimate")
     installed = installed_version("transformers")
     if installed and loss_path(installed) != fx.loss:
         return (f"the run uses transformers {cfg.stack_options.transformers_version}, whose loss "
