@@ -14,6 +14,14 @@ Error = predicted / measured − 1 (negative: under-estimate). Writes
 benchmarks/results/published.json and published.md, and prints the band the rows imply
 (oomless/memory/band.py must hold the same numbers).
 
+The fit verdict is scored on the card each measurement ran on (``measured_on``, with what
+happened there, ``outcome``: ran or oom): the row's command again with ``--gpu <measured_on>``.
+oomless's verdict there is the estimate's ``verdict`` (fits / tight / out of memory, the band
+rule of oomless/memory/band.py), vLLM's start-up check (``fits``: one full-length sequence fits
+the KV cache the budget leaves) or, for HF generate, the CLI's rule (the device peak within the
+card). A run that ran is judged right when oomless says fits, an out-of-memory when it says oom;
+tight is neither right nor wrong (strict: right only; lenient: right or tight).
+
     python benchmarks/published.py
     python benchmarks/published.py --rows torchtune-   # only the rows whose id starts so;
                                                        # the others keep their committed results
@@ -82,14 +90,50 @@ def predicted_bytes(row: dict, out: dict) -> tuple[int, int | None, int | None]:
     return point, round(out["low_bytes"] * scale), round(out["high_bytes"] * scale)
 
 
-def run_row(row: dict) -> dict:
-    argv = command(row)
+def oomless_json(row: dict, argv: list[str]) -> dict:
     proc = subprocess.run([sys.executable, "-m", "oomless", *argv, "--json"], cwd=ROOT,
                           capture_output=True, text=True, env={"PYTHONPATH": str(ROOT / "src"),
                                                                "PATH": "/usr/bin:/bin"})
     if proc.returncode:
         raise SystemExit(f"{row['id']}: oomless failed: {proc.stderr[-2000:]}")
-    out = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def verdict_of(out: dict, gpu: str) -> str:
+    """fits / tight / oom of an `oomless estimate --json` output on ``gpu``."""
+    if out.get("engine") == "vllm":
+        return "fits" if out["fits"] else "oom"
+    if out.get("engine") == "hf":  # the CLI's rule (oomless.cli._render_infer.render_generate)
+        sys.path.insert(0, str(ROOT / "src"))
+        from oomless.models.hardware import parse_gpu_arg
+
+        return "fits" if out["device_peak_bytes"] <= parse_gpu_arg(gpu).gpu.memory_bytes else "oom"
+    return {"fits": "fits", "tight": "tight", "out of memory": "oom"}[out["verdict"]]
+
+
+def judged(outcome: str, verdict: str) -> str:
+    """right / tight / wrong: a run that ran needs fits, an out-of-memory needs oom."""
+    if verdict == "tight":
+        return "tight"
+    return "right" if (verdict == "fits") == (outcome == "ran") else "wrong"
+
+
+def verdict_fields(row: dict, argv: list[str]) -> dict:
+    """The fit verdict on the card the row was measured on (none where the card is unknown)."""
+    card, outcome = row["measured_on"], row["outcome"]
+    if card is None:
+        return {"measured_on": None, "outcome": outcome, "verdict_command": None,
+                "verdict": None, "verdict_right": None}
+    vargv = [*argv, "--gpu", card]
+    verdict = verdict_of(oomless_json(row, vargv), card)
+    return {"measured_on": card, "outcome": outcome,
+            "verdict_command": "oomless " + " ".join(vargv), "verdict": verdict,
+            "verdict_right": judged(outcome, verdict)}
+
+
+def run_row(row: dict) -> dict:
+    argv = command(row)
+    out = oomless_json(row, argv)
     point, low, high = predicted_bytes(row, out)
     measured = measured_bytes(row)
     return {
@@ -100,7 +144,19 @@ def run_row(row: dict) -> dict:
         "error": round(point / measured - 1, 4), "band_row": bool(row.get("band")),
         "inside_band": None if low is None else low <= measured <= high,
         "peak_phase": out.get("peak_phase"), "note": row.get("note", ""),
+        **verdict_fields(row, argv),
     }
+
+
+def verdict_summary(results: list[dict]) -> dict:
+    scored = [r for r in results if r["verdict"] is not None]
+    right = [r["id"] for r in scored if r["verdict_right"] == "right"]
+    tight = [r["id"] for r in scored if r["verdict_right"] == "tight"]
+    return {"rows": len(scored), "ran": sum(r["outcome"] == "ran" for r in scored),
+            "oom": sum(r["outcome"] == "oom" for r in scored), "strict_right": len(right),
+            "lenient_right": len(right) + len(tight), "tight": tight,
+            "wrong": [r["id"] for r in scored if r["verdict_right"] == "wrong"],
+            "card_unknown": [r["id"] for r in results if r["verdict"] is None]}
 
 
 def summary(results: list[dict]) -> dict:
@@ -122,7 +178,22 @@ def summary(results: list[dict]) -> dict:
                  "worst_over_estimate": max(band_rows)},
         "inside_band": sum(bool(r["inside_band"]) for r in results if r["low_bytes"] is not None),
         "with_band": sum(r["low_bytes"] is not None for r in results),
+        "verdicts": verdict_summary(results),
     }
+
+
+def verdict_line(v: dict) -> str:
+    wrong, tight, unknown = (", ".join(v[k]) or "none" for k in ("wrong", "tight", "card_unknown"))
+    return (f"Fit verdict on the card each row was measured on ({v['rows']} rows: {v['ran']} ran, "
+            f"{v['oom']} out of memory): right on {v['strict_right']} (strict: fits for a run that "
+            f"ran, oom for one that did not), {v['lenient_right']} counting tight as not wrong "
+            f"(lenient; tight: {tight}); wrong: {wrong}. Card not known: {unknown}.")
+
+
+def verdict_cell(r: dict) -> str:
+    if r["verdict"] is None:
+        return f"card not known ({r['outcome']})"
+    return f"{r['outcome']} on {r['measured_on']}: {r['verdict']} — {r['verdict_right']}"
 
 
 def markdown(results: list[dict], summ: dict) -> str:
@@ -134,18 +205,26 @@ def markdown(results: list[dict], summ: dict) -> str:
         f"{k['under_estimates']} under-estimates. All rows: median |error| "
         f"{a['median_abs_error']:.1%}, worst {a['worst_error']:+.1%}, {a['under_estimates']} "
         f"under-estimates, {a['under_by_more_than_10pct']} by more than 10%.", "",
-        "| row | counter | measured | oomless | error | command | source |",
-        "|---|---|---|---|---|---|---|",
+        verdict_line(summ["verdicts"]), "",
+        "| row | counter | measured | oomless | error | verdict on the measured card | command "
+        "| source |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['id']} | {r['counter']} | {r['measured_bytes'] / GiB:.2f} GiB | "
-            f"{r['predicted_bytes'] / GiB:.2f} GiB | {r['error']:+.1%} | `{r['command']}` | "
-            f"[source]({r['source']}) |")
+            f"{r['predicted_bytes'] / GiB:.2f} GiB | {r['error']:+.1%} | {verdict_cell(r)} | "
+            f"`{r['command']}` | [source]({r['source']}) |")
     lines += ["", "Notes per row:", ""]
     lines += [f"- **{r['id']}** — {r['setup']}. Quote: “{r['quote']}”. {r['note']}".rstrip()
               for r in results]
     return "\n".join(lines) + "\n"
+
+
+def stale(row: dict, committed: dict | None) -> bool:
+    """A committed result that the row's card or outcome no longer matches (or none at all)."""
+    return committed is None or any(committed.get(k, "?") != row[k]
+                                    for k in ("measured_on", "outcome"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     else:  # rerun the selected rows; the others keep their committed results
         committed = {r["id"]: r for r in json.loads((RESULTS / "published.json").read_text())[
             "rows"]}
-        results = [run_row(r) if r["id"].startswith(prefix) or r["id"] not in committed
+        results = [run_row(r) if r["id"].startswith(prefix) or stale(r, committed.get(r["id"]))
                    else committed[r["id"]] for r in rows]
     summ = summary(results)
     RESULTS.mkdir(exist_ok=True)
@@ -166,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / "published.md").write_text(markdown(results, summ))
     for r in results:
         print(f"{r['id']:34s} {r['counter']:14s} {r['measured_bytes'] / GiB:7.2f} "
-              f"{r['predicted_bytes'] / GiB:7.2f} {r['error']:+.1%}")
+              f"{r['predicted_bytes'] / GiB:7.2f} {r['error']:+.1%}  {verdict_cell(r)}")
     print(json.dumps(summ, indent=2))
     return 0
 
