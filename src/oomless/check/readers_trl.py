@@ -13,7 +13,8 @@ trainer config defaults ``bf16`` to True when ``fp16`` is not set, since 0.22
 accelerate config gives the processes, mixed
 precision and the DeepSpeed ZeRO stage / offload or FSDP sharding (FULL_SHARD
 is estimated as ZeRO-3, SHARD_GRAD_OP as ZeRO-2, fsdp_offload_params as
-parameter offload).
+parameter offload; the FSDP version, prefetch, limit_all_gathers and use_orig_params
+go to the run's ``fsdp`` section: :func:`accelerate_fsdp`).
 """
 
 from __future__ import annotations
@@ -164,6 +165,28 @@ def trl_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
 
 
 # ---- accelerate config -------------------------------------------------------------------
+# accelerate config fsdp_config keys → RunConfig.fsdp; what a file leaves out takes
+# accelerate's FullyShardedDataParallelPlugin default (accelerate 1.15 utils/dataclasses.py:
+# fsdp_version 1, backward_prefetch None = NO_PREFETCH, limit_all_gathers True,
+# use_orig_params False, forward_prefetch False), which config.sections.FsdpConfig holds.
+_FSDP_KEYS = {"fsdp_version": "version", "fsdp_limit_all_gathers": "limit_all_gathers",
+              "fsdp_backward_prefetch": "backward_prefetch",
+              "fsdp_forward_prefetch": "forward_prefetch",
+              "fsdp_use_orig_params": "use_orig_params"}
+
+
+def accelerate_fsdp(fsdp_config: dict[str, Any]) -> dict[str, Any]:
+    """The run configuration's ``fsdp`` section of an accelerate ``fsdp_config``."""
+    out: dict[str, Any] = {"version": 1}
+    for key, name in _FSDP_KEYS.items():
+        if key in fsdp_config:
+            out[name] = fsdp_config[key]
+    if "backward_prefetch" in out:
+        out["backward_prefetch"] = str(out["backward_prefetch"] or "NO_PREFETCH").upper()
+    out["version"] = int(out["version"])
+    return out
+
+
 def accelerate_sharding(d: dict[str, Any]) -> tuple[int, str, list[str]]:
     """(ZeRO stage, offload, notes) of an accelerate config."""
     kind = str(d.get("distributed_type", "NO")).upper()
@@ -194,6 +217,8 @@ def apply_accelerate(src: Source, r: Reading) -> None:
     stage, offload, notes = accelerate_sharding(d)
     r.assumptions += notes
     r.run["zero"], r.run["offload"] = stage, offload
+    if str(d.get("distributed_type", "")).upper() == "FSDP":
+        r.run["fsdp"] = accelerate_fsdp(d.get("fsdp_config") or {})
     processes = int(d.get("num_processes") or 1)
     machines = int(d.get("num_machines") or 1)
     r.run["hardware"] = {"gpus_per_node": max(1, processes // machines), "nodes": machines}

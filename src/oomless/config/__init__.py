@@ -27,6 +27,7 @@ from .sections import (
     DataConfig,
     DeepSpeedConfig,
     EvalConfig,
+    FsdpConfig,
     HardwareConfig,
     InjectOOM,
     LoraConfig,
@@ -45,7 +46,7 @@ from .sections import (
     VisionConfig,
 )
 
-__all__ = ["Attention", "DataConfig", "DeepSpeedConfig", "EvalConfig", "HardwareConfig",
+__all__ = ["Attention", "DataConfig", "DeepSpeedConfig", "EvalConfig", "FsdpConfig", "HardwareConfig",
            "InjectOOM", "LoraConfig", "Method", "Offload", "Optimizer", "Precision",
            "QuantConfig", "QuantStorage", "Reference", "RlhfConfig", "RunConfig", "Stack",
            "StackOptions", "Stage", "TrainingConfig", "VisionConfig", "build_run_config",

@@ -16,6 +16,7 @@ from .sections import (
     DataConfig,
     DeepSpeedConfig,
     EvalConfig,
+    FsdpConfig,
     HardwareConfig,
     LoraConfig,
     Method,
@@ -55,6 +56,7 @@ class RunConfig(_Section):
     zero: Literal[0, 1, 2, 3] = 0
     offload: Offload = "none"
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    fsdp: FsdpConfig = FsdpConfig()
     hardware: HardwareConfig = HardwareConfig()
     vision: VisionConfig = VisionConfig()
     rlhf: RlhfConfig = RlhfConfig()

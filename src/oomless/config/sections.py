@@ -1,5 +1,5 @@
 """The accepted values of a run's knobs and the sections of ``oomless.yaml`` (lora,
-quantization, stack_options, deepspeed, hardware, vision, rlhf, eval, data, training):
+quantization, stack_options, deepspeed, fsdp, hardware, vision, rlhf, eval, data, training):
 frozen pydantic models, every number capped by oomless.limits.CAPS."""
 
 from __future__ import annotations
@@ -143,6 +143,23 @@ class DeepSpeedConfig(_Section):
     contiguous_gradients: bool = True
     overlap_comm: bool | None = Field(None, description="null: DeepSpeed's default (on for "
                                       "ZeRO-3 only); on doubles ZeRO-1/2's staging buffer")
+
+
+class FsdpConfig(_Section):
+    """torch FSDP1 (``FullyShardedDataParallel``) as accelerate's FSDP plugin wraps the model
+    (memory/zero_buffers.py fsdp1_unsharded). Defaults: accelerate 1.15
+    utils/dataclasses.py FullyShardedDataParallelPlugin."""
+
+    version: Literal[1, 2] | None = Field(
+        None, description="1: torch FSDP1 through accelerate (fsdp_version 1); 2 or null: "
+        "FSDP2 (fully_shard), as oomless's own FSDP engine wraps the model")
+    limit_all_gathers: bool = Field(True, description="FSDP1 rate limiter: at most two "
+                                    "all-gathers in flight (_limiter_utils._FreeEventQueue)")
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"] = Field(
+        "NO_PREFETCH", description="fsdp_backward_prefetch (accelerate's default: none)")
+    forward_prefetch: bool = Field(False, description="fsdp_forward_prefetch")
+    use_orig_params: bool = Field(False, description="fsdp_use_orig_params (views of the flat "
+                                  "parameter, no memory of their own)")
 
 
 class HardwareConfig(_Section):

@@ -17,7 +17,7 @@ from .quantized import check_prequantized, quant_constant_bytes, quantized_weigh
 from .stacks import StackEffects, stack_effects
 from .stages import score_head_param_delta
 from .vision import vision_trainable_params
-from .zero_buffers import fsdp2_gathered_bytes, zero_buffers
+from .zero_buffers import Fsdp1Units, fsdp1_unsharded, fsdp2_gathered_bytes, zero_buffers
 
 # Module names people write in LoRA target lists → our canonical names
 # (ChatGLM, Phi-2, GPT-2, Mixtral-legacy, InternLM spellings).
@@ -185,7 +185,7 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
     weights = weight_bytes(spec, cfg, dt) + head_weights * dt.base_weight_bytes
     buffers = zero_buffers(cfg.zero, cfg.deepspeed.model_dump(), spec.hidden_size,
                            largest_module_params(spec), dt.grad_bytes, dt.base_weight_bytes)
-    fsdp = cfg.training.engine == "fsdp"  # FSDP2 has no DeepSpeed buckets
+    fsdp = cfg.training.engine == "fsdp" or cfg.fsdp.version is not None  # no DeepSpeed buckets
     if cfg.zero and not fsdp:
         st.assumptions.extend(buffers.notes)
     shard3 = cfg.world_size if cfg.zero == 3 else 1  # ZeRO-3 partitions the parameters
@@ -220,7 +220,12 @@ def _sharded_weights(st: States, spec: ModelSpec, cfg: RunConfig, dt: Dtypes, we
     replicated = quant_constant_bytes(spec, cfg) if cfg.zero == 3 else 0
     st.gpu["weights"] = 0 if cfg.offload == "all" else round((weights - replicated) / shard3
                                                              + replicated)
-    if cfg.zero == 3 and cfg.method == "qlora":
+    if cfg.zero == 3 and cfg.fsdp.version == 1:
+        gathered, notes = fsdp1_unsharded(fsdp1_units(spec, cfg, dt), cfg.world_size,
+                                          cfg.fsdp.model_dump(), cfg.offload == "all")
+        st.gpu["zero3_gathered"] = gathered
+        st.assumptions.extend(notes)
+    elif cfg.zero == 3 and cfg.method == "qlora":
         st.gpu["zero3_gathered"] = round(qlora_gathered_bytes(spec, cfg, dt))
         st.assumptions.append(
             "QLoRA sharded (ZeRO-3 / FSDP, bnb_4bit_quant_storage "
@@ -242,6 +247,34 @@ def _sharded_weights(st: States, spec: ModelSpec, cfg: RunConfig, dt: Dtypes, we
         st.assumptions.append(
             "ZeRO-3: the largest module (layer, embedding or lm_head) is gathered with its "
             "16-bit gradient (DeepSpeed's estimator counts 4 B/param) plus the prefetch")
+
+
+# bytes per element of bnb_4bit_quant_storage (bitsandbytes Params4bit quant_storage)
+_STORAGE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "uint8": 1}
+
+
+def fsdp1_units(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> Fsdp1Units:
+    """FSDP1's flat parameters as accelerate wraps the model (TRANSFORMER_BASED_WRAP by the
+    decoder layer class; the root holds the rest). QLoRA: bitsandbytes packs two 4-bit codes
+    per byte into ``quant_storage`` elements (Params4bit), so a quantized linear is
+    in·out/2 bytes of flat parameter; FSDP1 flattens only same-dtype tensors
+    (FlatParamHandle._validate_tensors_to_flatten), which is why the storage is a float."""
+    layer = max(spec.layer_params(False), spec.layer_params(True) if spec.is_moe else 0)
+    root = spec.embedding_params + spec.lm_head_params + spec.norm_params
+    trained_root = root if cfg.method == "full" else 0
+    if cfg.method == "full":
+        return Fsdp1Units(root, layer, dt.base_weight_bytes, trained_root, layer, dt.grad_bytes)
+    targets = lora_targets(spec, cfg.lora.targets)
+    adapters = lora_params(spec, cfg.lora.r, targets) // max(1, spec.num_layers)
+    if cfg.method != "qlora":
+        return Fsdp1Units(root, layer, dt.base_weight_bytes, 0, adapters, dt.grad_bytes)
+    elem = _STORAGE_BYTES[cfg.quant_storage]
+    linears = max(sum(lin.in_features * lin.out_features * lin.count
+                      for lin in spec.layer_linears(moe)) for moe in {False, spec.is_moe})
+    packed = -(-linears // (2 * elem))  # two codes per byte
+    rest = round((layer - linears) * dt.base_weight_bytes / elem)
+    return Fsdp1Units(round(root * dt.base_weight_bytes / elem), packed + rest, elem, 0,
+                      adapters, dt.grad_bytes)
 
 
 def _stepped_config(st: States, cfg: RunConfig) -> RunConfig:
@@ -305,6 +338,11 @@ def _gradients(st: States, spec: ModelSpec, cfg: RunConfig, dt: Dtypes, targets:
     # buffer(s) of reduce_bucket_size elements (memory/zero_buffers.py)
     shard_grads = n if cfg.zero >= 2 else 1
     st.gpu["gradients"] = round(grads / shard_grads + staging_bytes)
+    if cfg.fsdp.version == 1 and cfg.offload == "all" and cfg.zero == 3:
+        # FSDP1 CPUOffload(offload_params=True): _offload_grad copies each sharded gradient
+        # into the flat parameter's pinned ``_cpu_grad`` (torch fsdp/_runtime_utils.py)
+        st.gpu["gradients"] = 0
+        st.host_bytes += round(grads / n * cfg.hardware.gpus_per_node)
     if stack_effects(cfg).optimizer_in_bwd:
         # torchtune training/memory.py register_optim_in_bwd_hooks: each gradient is
         # stepped and freed as soon as it is accumulated: the largest one at a time

@@ -118,3 +118,77 @@ def fsdp2_gathered_bytes(root_params: int, layer_params: int, weight_bytes: floa
     weights = root_params * weight_bytes + 2 * layer_params * weight_bytes
     grads = (root_params + layer_params) * grad_bytes if trained else 0
     return round(weights + grads)
+
+
+# torch distributed/fsdp/_limiter_utils.py _FreeEventQueue._max_num_inflight_all_gathers
+# ("empirically chosen"): with limit_all_gathers the CPU thread waits for the oldest free
+# once two unsharded flat parameters are pending
+FSDP1_MAX_INFLIGHT_ALL_GATHERS = 2
+
+
+def fsdp1_padded_numel(numel: int, world_size: int) -> int:
+    """A flat parameter's unsharded numel padded to a multiple of the world size
+    (torch distributed/fsdp/_flat_param.py FlatParamHandle._get_shard: each rank's chunk is
+    ``ceil(numel / world)`` elements, the last one padded with ``F.pad``)."""
+    return -(-numel // world_size) * world_size
+
+
+@dataclass(frozen=True)
+class Fsdp1Units:
+    """The flat parameters accelerate's FSDP1 plugin builds (TRANSFORMER_BASED_WRAP: one unit
+    per decoder layer, the root for the rest), in elements of the flat parameter's dtype."""
+
+    root_numel: int  # embedding, final norm, LM head: the root FSDP unit
+    layer_numel: int  # one decoder layer's flat parameter
+    elem_bytes: int  # bytes per flat-parameter element (the quant storage dtype for QLoRA)
+    root_trained_numel: int  # elements of the root whose gradients are computed
+    layer_trained_numel: int  # one layer's trained elements (its own unit or its adapters')
+    grad_bytes: int
+
+
+def fsdp1_unsharded(units: Fsdp1Units, world_size: int, settings: dict[str, Any],
+                    offload: bool) -> tuple[int, tuple[str, ...]]:
+    """Bytes FSDP1 (FULL_SHARD) holds on one GPU beyond the sharded flat parameters, at the
+    backward's peak, and the notes that say how (torch 2.13 distributed/fsdp/):
+
+    - the root unit is not resharded after the forward (_runtime_utils._post_forward_reshard:
+      ``not state._is_root``), so it stays unsharded through the backward;
+    - each layer unit's padded unsharded flat parameter is allocated at its all-gather
+      (_flat_param.FlatParamHandle._alloc_padded_unsharded_flat_param); in backward one
+      layer is computed and the next is gathered ahead: by ``backward_prefetch`` /
+      ``forward_prefetch`` (_runtime_utils._prefetch_handle), or by the CPU thread running
+      ahead of the GPU (a freed unsharded parameter is reused only once the stream that used
+      it passes it); ``limit_all_gathers`` caps the pending ones at
+      FSDP1_MAX_INFLIGHT_ALL_GATHERS, which is what is counted;
+    - a trained unit's gradient is reduce-scattered from its padded unsharded gradient into a
+      new shard (_runtime_utils._reduce_grad, _get_reduce_scatter_tensors);
+    - ``offload_params``: pre_unshard copies the CPU shard to the GPU (flat_param_to) for the
+      all-gather and keeps it until the reshard; sharded gradients go to the CPU
+      (_offload_grad into ``_cpu_grad``)."""
+    pad = fsdp1_padded_numel
+    prefetch = settings.get("backward_prefetch", "NO_PREFETCH")
+    layers = FSDP1_MAX_INFLIGHT_ALL_GATHERS
+    root = pad(units.root_numel, world_size)
+    layer = pad(units.layer_numel, world_size)
+    weights = (root + layers * layer) * units.elem_bytes
+    grads = (pad(units.root_trained_numel, world_size)
+             + pad(units.layer_trained_numel, world_size) * (1 + 1 / world_size))
+    total = weights + grads * units.grad_bytes
+    notes = [f"FSDP1 FULL_SHARD: the root unit ({units.root_numel:,} elements) stays unsharded "
+             f"from the forward through the backward; {layers} decoder-layer unit(s) of "
+             f"{units.layer_numel:,} elements unsharded at once (limit_all_gathers' bound; "
+             f"backward_prefetch {prefetch}"
+             + ("" if prefetch != "NO_PREFETCH" and settings.get("forward_prefetch") else
+                ": without prefetch the second is there only while the CPU runs ahead")
+             + f"); each flat parameter padded to a multiple of the {world_size} ranks"]
+    if units.layer_trained_numel or units.root_trained_numel:
+        notes.append("FSDP1: a trained unit's unsharded gradient and its reduce-scatter output")
+    if offload:
+        total += (root + layers * layer) / world_size * units.elem_bytes
+        notes.append("FSDP1 offload_params: each unsharded unit's shard is copied from pinned "
+                     "CPU memory to the GPU for its all-gather; sharded gradients live on the CPU")
+    if not settings.get("limit_all_gathers", True):
+        notes.append("FSDP1 limit_all_gathers false: the CPU thread may issue more all-gathers "
+                     "ahead than counted here (how many depends on the CPU's lead over the "
+                     "GPU: can't tell); limit_all_gathers true bounds it at two")
+    return round(total), tuple(notes)
