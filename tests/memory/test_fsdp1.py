@@ -105,6 +105,16 @@ def test_accelerate_config_fsdp_keys_are_read():
         "version": 2, "backward_prefetch": "NO_PREFETCH"}
 
 
+def test_accelerate_fsdp2_is_estimated_as_fsdp2():
+    base = dict(model="llama-2-7b", method="full", zero=3, seq_len=512,
+                hardware={"gpu": "a100-80gb", "gpus_per_node": 8})
+    by_accelerate = estimate(RunConfig(**base, fsdp={"version": 2})).components
+    by_engine = estimate(RunConfig(**base, training={"engine": "fsdp"})).components
+    assert by_accelerate["zero3_gathered"] == by_engine["zero3_gathered"]
+    fsdp1 = estimate(RunConfig(**base, fsdp={"version": 1})).components
+    assert fsdp1["zero3_gathered"] != by_engine["zero3_gathered"]
+
+
 # ---- a real FSDP1 on CPU ------------------------------------------------------------------
 WORLD = 3
 TINY = dict(hidden_size=40, intermediate_size=97, num_hidden_layers=2, num_attention_heads=4,

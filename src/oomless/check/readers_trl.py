@@ -204,9 +204,11 @@ def accelerate_sharding(d: dict[str, Any]) -> tuple[int, str, list[str]]:
         strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
         stage = _FSDP_ZERO.get(strategy, 3)
         offload = "all" if fsdp.get("fsdp_offload_params") and stage == 3 else "none"
+        version = int(fsdp.get("fsdp_version") or 1)
+        how = (f"sharded as ZeRO-{stage} with FSDP{version}'s own unsharded units"
+               if stage == 3 else f"estimated as DeepSpeed ZeRO-{stage}")
         return stage, offload, [f"FSDP {strategy}{' with parameter offload' if offload != 'none' else ''}"
-                                f" is estimated as DeepSpeed ZeRO-{stage}"
-                                f"{' with parameter offload' if offload != 'none' else ''}"]
+                                f" is {how}"]
     return 0, "none", []
 
 

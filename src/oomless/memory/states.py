@@ -233,7 +233,7 @@ def _sharded_weights(st: States, spec: ModelSpec, cfg: RunConfig, dt: Dtypes, we
             "sharded, the quantization constants (absmax) stay on every GPU; the largest "
             "module (a layer in packed 4-bit, or the 16-bit embedding / lm_head) is gathered, "
             "plus a prefetch bucket of 0.9·hidden² elements")
-    elif cfg.zero == 3 and cfg.training.engine == "fsdp":
+    elif cfg.zero == 3 and (cfg.training.engine == "fsdp" or cfg.fsdp.version == 2):
         layer = max(spec.layer_params(False), spec.layer_params(True) if spec.is_moe else 0)
         root = spec.embedding_params + spec.lm_head_params + spec.norm_params
         st.gpu["zero3_gathered"] = fsdp2_gathered_bytes(
