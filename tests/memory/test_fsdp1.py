@@ -19,6 +19,7 @@ from oomless.api import estimate
 from oomless.check.readers_trl import accelerate_fsdp
 from oomless.config import FsdpConfig, RunConfig
 from oomless.memory.precision import dtypes_for
+from oomless.memory.quantized import quant_constant_bytes
 from oomless.memory.states import fsdp1_units
 from oomless.memory.zero_buffers import (
     FSDP1_MAX_INFLIGHT_ALL_GATHERS,
@@ -83,6 +84,8 @@ def test_estimate_counts_fsdp1_instead_of_the_deepspeed_buffers():
     assert off.components.get("gradients", 0) == 0  # sharded gradients in _cpu_grad
     assert off.components["zero3_gathered"] > expected
     assert any("FSDP1" in a for a in off.assumptions)
+    # the QuantState is not a parameter: FSDP1 offloads only flat parameters
+    assert off.components["weights"] == round(quant_constant_bytes(spec, offload)) > 0
 
 
 def test_accelerate_defaults_are_accelerates_own():

@@ -220,6 +220,14 @@ def _sharded_weights(st: States, spec: ModelSpec, cfg: RunConfig, dt: Dtypes, we
     replicated = quant_constant_bytes(spec, cfg) if cfg.zero == 3 else 0
     st.gpu["weights"] = 0 if cfg.offload == "all" else round((weights - replicated) / shard3
                                                              + replicated)
+    if cfg.zero == 3 and cfg.fsdp.version == 1 and cfg.offload == "all" and replicated:
+        # FSDP1 moves the module to device_id before flattening (fsdp/_init_utils.py
+        # _move_states_to_device: param.data = param.to(device)), and Params4bit.to moves its
+        # QuantState along (bitsandbytes 0.50 nn/modules.py); offload then moves only the
+        # flat parameters to the CPU (_init_param_handle_from_module: flat_param_to(cpu))
+        st.gpu["weights"] = round(replicated)
+        st.assumptions.append("FSDP1 offload_params: bitsandbytes' quantization constants "
+                              "(QuantState, not parameters) stay on every GPU")
     if cfg.zero == 3 and cfg.fsdp.version == 1:
         gathered, notes = fsdp1_unsharded(fsdp1_units(spec, cfg, dt), cfg.world_size,
                                           cfg.fsdp.model_dump(), cfg.offload == "all")
