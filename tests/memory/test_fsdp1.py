@@ -130,6 +130,7 @@ def _rank(rank: int, out: str, port: int) -> None:  # pragma: no cover - child p
 
     import torch
     import torch.distributed as dist
+    from torch.distributed.fsdp import BackwardPrefetch
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -142,15 +143,31 @@ def _rank(rank: int, out: str, port: int) -> None:  # pragma: no cover - child p
     policy = functools.partial(transformer_auto_wrap_policy,
                                transformer_layer_cls={LlamaDecoderLayer})
     model = FSDP(LlamaForCausalLM(cfg), auto_wrap_policy=policy, device_id=torch.device("cpu"),
-                 use_orig_params=False, limit_all_gathers=True)
+                 use_orig_params=False, limit_all_gathers=True,
+                 backward_prefetch=BackwardPrefetch.BACKWARD_PRE)
+    units = FSDP.fsdp_modules(model)
+    trace: list[tuple[str, list[str]]] = []
+
+    def unsharded() -> list[str]:  # the units whose padded unsharded flat parameter is allocated
+        return [u.module.__class__.__name__ for u in units
+                if u._handle.flat_param._full_param_padded.untyped_storage().size() > 0]
+
+    def record(module, args, output):  # each layer's last linear: forward, then its backward
+        trace.append(("forward", unsharded()))
+        output.register_hook(lambda grad: trace.append(("backward", unsharded())))
+
+    for layer in units[1:]:
+        layer.module.mlp.down_proj.register_forward_hook(record)
     ids = torch.randint(0, cfg.vocab_size, (1, 8))
-    model(input_ids=ids, labels=ids).loss.backward()  # lazy init allocates the padded sizes
+    for _ in range(2):  # the first step runs FSDP's lazy init (padded sizes); trace the second
+        trace.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
     rows = [{"unit": m.module.__class__.__name__,
              "unpadded": m._handle.flat_param._unpadded_unsharded_size.numel(),
              "padded": m._handle.flat_param._padded_unsharded_size.numel(),
-             "shard": m._handle.flat_param.numel()} for m in FSDP.fsdp_modules(model)]
+             "shard": m._handle.flat_param.numel()} for m in units]
     if rank == 0:
-        Path(out).write_text(json.dumps(rows))
+        Path(out).write_text(json.dumps({"flat": rows, "trace": trace}))
     dist.destroy_process_group()
 
 
@@ -161,7 +178,7 @@ def test_flat_parameters_equal_fsdp1s_own(tmp_path):
     out = tmp_path / "flat.json"
     port = 29400 + os.getpid() % 500
     subprocess.run([sys.executable, __file__, str(out), str(port)], check=True, timeout=300)
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["flat"]
     from oomless.models.hf_config import spec_from_hf_config
 
     spec = spec_from_hf_config(TINY, "tiny-llama")
@@ -174,6 +191,25 @@ def test_flat_parameters_equal_fsdp1s_own(tmp_path):
         assert row["unpadded"] == numel
         assert row["padded"] == fsdp1_padded_numel(numel, WORLD) == row["shard"] * WORLD
     assert any(r["padded"] > r["unpadded"] for r in rows)  # the sizes make padding show
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_root_stays_unsharded_and_backward_prefetch_gathers_a_second_layer(tmp_path):
+    """What fsdp1_unsharded counts, seen in a real FSDP1 step (gloo, BACKWARD_PRE): the root
+    unit is unsharded at every point of the forward and the backward; the backward holds the
+    layer being computed and the one prefetched (FSDP1_MAX_INFLIGHT_ALL_GATHERS), the forward
+    one layer (on a CPU the thread never runs ahead of the device, so the limiter's second
+    forward gather does not show)."""
+    out = tmp_path / "trace.json"
+    port = 29900 + os.getpid() % 90
+    subprocess.run([sys.executable, __file__, str(out), str(port)], check=True, timeout=300)
+    trace = json.loads(out.read_text())["trace"]
+    assert [phase for phase, _ in trace] == ["forward"] * 2 + ["backward"] * 2
+    assert all("LlamaForCausalLM" in units for _, units in trace)
+    layers = {phase: max(units.count("LlamaDecoderLayer") for p, units in trace if p == phase)
+              for phase in ("forward", "backward")}
+    assert layers == {"forward": 1, "backward": FSDP1_MAX_INFLIGHT_ALL_GATHERS}
 
 
 if __name__ == "__main__":  # the ranks of test_flat_parameters_equal_fsdp1s_own

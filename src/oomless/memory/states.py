@@ -266,7 +266,11 @@ def fsdp1_units(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> Fsdp1Units:
     decoder layer class; the root holds the rest). QLoRA: bitsandbytes packs two 4-bit codes
     per byte into ``quant_storage`` elements (Params4bit), so a quantized linear is
     in·out/2 bytes of flat parameter; FSDP1 flattens only same-dtype tensors
-    (FlatParamHandle._validate_tensors_to_flatten), which is why the storage is a float."""
+    (FlatParamHandle._validate_tensors_to_flatten), which is why the storage is a float.
+    LoRA: transformers (distributed/fsdp.py update_fsdp_plugin_peft) wraps each trainable
+    adapter layer as its own unit (PEFT fsdp_auto_wrap_policy), so no unit mixes frozen and
+    trained parameters (which use_orig_params would otherwise give whole-unit gradients);
+    a layer's adapters are counted together as its trained unit."""
     layer = max(spec.layer_params(False), spec.layer_params(True) if spec.is_moe else 0)
     root = spec.embedding_params + spec.lm_head_params + spec.norm_params
     trained_root = root if cfg.method == "full" else 0
