@@ -34,3 +34,30 @@ def test_zero_stage_and_offload_from_the_trainers_deepspeed_config(ds, expected)
 def test_an_auto_stage_is_named_in_the_error():
     with pytest.raises(ConfigError, match="zero_optimization.stage 'auto'"):
         _zero(_args({"zero_optimization": {"stage": "auto"}}))
+
+
+@pytest.mark.parametrize(("kwargs", "expected"), [
+    ({}, (3, "none", {"version": 1, "limit_all_gathers": True, "backward_prefetch": "NO_PREFETCH",
+                      "forward_prefetch": False, "use_orig_params": False})),
+    ({"cpu_offload": True, "backward_prefetch": "BACKWARD_PRE", "use_orig_params": False},
+     (3, "all", {"version": 1, "limit_all_gathers": True, "backward_prefetch": "BACKWARD_PRE",
+                 "forward_prefetch": False, "use_orig_params": False})),
+    ({"sharding_strategy": "SHARD_GRAD_OP"}, (2, "none", {
+        "version": 1, "limit_all_gathers": True, "backward_prefetch": "NO_PREFETCH",
+        "forward_prefetch": False, "use_orig_params": False})),
+    ({"fsdp_version": 2}, (3, "none", {"version": 2})),
+    ({"fsdp_version": 2, "cpu_offload": True}, (3, "all", {"version": 2})),
+])
+def test_fsdp_sharding_from_accelerates_own_plugin(kwargs, expected):
+    """The preflight reads accelerate's FullyShardedDataParallelPlugin, built for real."""
+    import warnings
+
+    from oomless.config import RunConfig
+    from oomless.runtime.protect.preflight import fsdp_from_plugin
+
+    plugin_cls = pytest.importorskip("accelerate.utils").FullyShardedDataParallelPlugin
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plugin = plugin_cls(**kwargs)
+    assert fsdp_from_plugin(plugin) == expected
+    RunConfig(model="llama-2-7b", zero=expected[0], offload=expected[1], fsdp=expected[2])

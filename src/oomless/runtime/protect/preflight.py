@@ -2,8 +2,8 @@
 
 What the Trainer says is read from the Trainer itself: the model's config
 path (``config._name_or_path``), PEFT LoRA settings, 4-bit loading (QLoRA),
-TrainingArguments precision, optimizer, batches, checkpointing and DeepSpeed
-ZeRO stage. The sequence length is TRL's ``max_length`` when set, else the
+TrainingArguments precision, optimizer, batches, checkpointing, DeepSpeed
+ZeRO stage, and accelerate's FSDP plugin (:func:`fsdp_from_plugin`). The sequence length is TRL's ``max_length`` when set, else the
 longest of the first 512 training samples (a sample of the data: the longest
 sample overall may be longer, which the estimate's assumptions say).
 """
@@ -57,6 +57,42 @@ def _zero(args: Any) -> tuple[int, str]:
     return zero_from_deepspeed(config, "TrainingArguments.deepspeed")
 
 
+# torch ShardingStrategy names (FSDP1) → the ZeRO stage oomless shards as
+_FSDP_STAGE = {"FULL_SHARD": 3, "HYBRID_SHARD": 3, "SHARD_GRAD_OP": 2,
+               "_HYBRID_SHARD_ZERO2": 2, "NO_SHARD": 0}
+
+
+def fsdp_from_plugin(plugin: Any) -> tuple[int, str, dict[str, Any]]:
+    """(stage, offload, the run's ``fsdp`` section) of accelerate's live
+    FullyShardedDataParallelPlugin (accelerate 1.15 utils/dataclasses.py: FSDP1 keeps a
+    ShardingStrategy in ``sharding_strategy`` and a CPUOffload; FSDP2 a bool
+    ``reshard_after_forward`` and an OffloadPolicy, CPUOffloadPolicy when offloading)."""
+    version = int(getattr(plugin, "fsdp_version", 1) or 1)
+    offload_policy = getattr(plugin, "cpu_offload", None)
+    if version == 2:
+        stage = 3 if getattr(plugin, "reshard_after_forward", True) else 2
+        offloads = type(offload_policy).__name__ == "CPUOffloadPolicy"
+        return stage, "all" if offloads and stage == 3 else "none", {"version": 2}
+    strategy = getattr(getattr(plugin, "sharding_strategy", None), "name", "FULL_SHARD")
+    stage = _FSDP_STAGE.get(strategy, 3)
+    offloads = bool(getattr(offload_policy, "offload_params", False))
+    prefetch = getattr(plugin, "backward_prefetch", None)
+    return stage, "all" if offloads and stage == 3 else "none", {
+        "version": 1, "limit_all_gathers": bool(plugin.limit_all_gathers),
+        "backward_prefetch": getattr(prefetch, "name", "NO_PREFETCH"),
+        "forward_prefetch": bool(plugin.forward_prefetch),
+        "use_orig_params": bool(plugin.use_orig_params)}
+
+
+def _sharding(trainer: Any) -> tuple[int, str, dict[str, Any] | None]:
+    """ZeRO stage, offload and FSDP section: DeepSpeed's config, or accelerate's FSDP plugin."""
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None),
+                     "fsdp_plugin", None)
+    if getattr(trainer, "is_fsdp_enabled", False) and plugin is not None:
+        return fsdp_from_plugin(plugin)
+    return (*_zero(trainer.args), None)
+
+
 def trainer_run_config(trainer: Any, gpu: str | None = None) -> tuple[RunConfig, list[str]]:
     """The Trainer's run as a RunConfig, and notes on what was assumed."""
     import torch
@@ -68,7 +104,7 @@ def trainer_run_config(trainer: Any, gpu: str | None = None) -> tuple[RunConfig,
     qlora = bool(getattr(base, "is_loaded_in_4bit", False))
     precision = ("bf16" if args.bf16 else "fp16" if args.fp16 else
                  "pure-bf16" if base.dtype == torch.bfloat16 else "fp32")
-    zero, offload = _zero(args)
+    zero, offload, fsdp = _sharding(trainer)
     if zero and precision == "pure-bf16":
         precision = "bf16"
     if qlora and precision == "fp32":
@@ -87,6 +123,8 @@ def trainer_run_config(trainer: Any, gpu: str | None = None) -> tuple[RunConfig,
     }
     if lora:
         run["lora"] = lora
+    if fsdp:
+        run["fsdp"] = fsdp
     if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no":
         run["eval"] = {"batch_size": args.per_device_eval_batch_size}
     notes = [f"sequence length {seq_len}: {seq_note}"]
