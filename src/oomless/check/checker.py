@@ -150,12 +150,6 @@ def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: Mod
         run["deepspeed"] = reading.facts["deepspeed"]  # the DeepSpeed file's ZeRO buffers
     if run.get("precision") == "bf16" and not cluster.gpu.bf16:
         run["precision"] = "fp16"  # bf16: auto / a card without bf16: the tools fall back
-    if run.get("method") == "qlora" and run.get("zero") == 3:
-        run.update(zero=0, offload="none")
-        note = ("FSDP / ZeRO-3 shards QLoRA's 4-bit base over the GPUs; oomless does not model "
-                "sharded 4-bit weights: estimated unsharded, without offload (an upper bound)")
-        if note not in reading.assumptions:
-            reading.assumptions.append(note)
     _lora_targets(run, spec, reading)
     if run.get("attn", "sdpa") == "sdpa" and not spec.sdpa_supported:
         run["attn"] = "eager"  # the model's code has no SDPA path (spec assumptions say why)
