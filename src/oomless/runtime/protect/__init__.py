@@ -101,9 +101,24 @@ def install(trainer: Any, *, preflight: str | None = None, gpu: str | None = Non
         _wrap_backward(ctx)
     _wrap_evaluation_loop(ctx)
     attach_dashboard(ctx)  # oomless/ memory scalars in the Trainer's own logs (report_to)
+    if dist.active:
+        _release_groups_at_exit()
     trainer.add_callback(make_callback(ctx, preflight_mode(preflight),
                                        gpu or os.environ.get(GPU_ENV)))
     return trainer
+
+
+def _release_groups_at_exit() -> None:
+    """Several ranks: shut the process groups down when the script ends, while the
+    interpreter is still whole (atexit runs before its shutdown), unless the script did.
+    A gloo worker thread still alive in that shutdown can abort the process after a
+    completed run (oomless.runtime.train.dist.release_process_groups)."""
+    import atexit
+
+    from ..train.dist import release_process_groups
+
+    atexit.unregister(release_process_groups)  # once, however many Trainers
+    atexit.register(release_process_groups)
 
 
 def context_of(trainer: Any) -> Any:

@@ -322,7 +322,17 @@ class Trainer(CheckpointedRun):
         finally:
             self.folder.release()
             if hasattr(self, "dist"):
+                self._drop_engine()
                 self.dist.close()
+
+    def _drop_engine(self) -> None:
+        """Let go of every object that holds a process group (engine, model, optimizer),
+        so that Dist.close can shut the groups' backends down (see release_process_groups)."""
+        engine = self.__dict__.pop("engine", None)
+        if engine is not None:
+            engine.close()
+        for name in ("model", "optimizer", "scheduler", "params"):
+            self.__dict__.pop(name, None)
 
     def _run(self) -> TrainResult:
         from .evaluate import Evaluator
