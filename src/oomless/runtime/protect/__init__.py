@@ -115,10 +115,19 @@ def _release_groups_at_exit() -> None:
     completed run (oomless.runtime.train.dist.release_process_groups)."""
     import atexit
 
+    atexit.unregister(_release_gloo_groups)  # once, however many Trainers
+    atexit.register(_release_gloo_groups)
+
+
+def _release_gloo_groups() -> None:
+    """gloo only: its destroy_process_group waits for no peer, while NCCL's may, after a
+    failure on another rank (torchtitan destroys only after a successful run)."""
+    import torch.distributed as dist
+
     from ..train.dist import release_process_groups
 
-    atexit.unregister(release_process_groups)  # once, however many Trainers
-    atexit.register(release_process_groups)
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        release_process_groups()
 
 
 def context_of(trainer: Any) -> Any:
