@@ -122,4 +122,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run() -> None:  # console-script entry point
-    sys.exit(main())
+    code = main()
+    dist = sys.modules.get("oomless.runtime.train.dist")
+    if dist is not None and dist.groups_left_behind():
+        # A rank of a distributed run whose process groups a library still references
+        # (FSDP's DTensor caches, DeepSpeed ZeRO-3's parameter hooks): their gloo/NCCL
+        # worker threads would meet interpreter shutdown, and one that then needs the GIL
+        # aborts the process after a completed run (runtime.train.dist.
+        # release_process_groups). Everything is written: end without that shutdown.
+        import logging
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    sys.exit(code)

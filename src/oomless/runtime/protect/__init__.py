@@ -101,9 +101,33 @@ def install(trainer: Any, *, preflight: str | None = None, gpu: str | None = Non
         _wrap_backward(ctx)
     _wrap_evaluation_loop(ctx)
     attach_dashboard(ctx)  # oomless/ memory scalars in the Trainer's own logs (report_to)
+    if dist.active:
+        _release_groups_at_exit()
     trainer.add_callback(make_callback(ctx, preflight_mode(preflight),
                                        gpu or os.environ.get(GPU_ENV)))
     return trainer
+
+
+def _release_groups_at_exit() -> None:
+    """Several ranks: shut the process groups down when the script ends, while the
+    interpreter is still whole (atexit runs before its shutdown), unless the script did.
+    A gloo worker thread still alive in that shutdown can abort the process after a
+    completed run (oomless.runtime.train.dist.release_process_groups)."""
+    import atexit
+
+    atexit.unregister(_release_gloo_groups)  # once, however many Trainers
+    atexit.register(_release_gloo_groups)
+
+
+def _release_gloo_groups() -> None:
+    """gloo only: its destroy_process_group waits for no peer, while NCCL's may, after a
+    failure on another rank (torchtitan destroys only after a successful run)."""
+    import torch.distributed as dist
+
+    from ..train.dist import release_process_groups
+
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        release_process_groups()
 
 
 def context_of(trainer: Any) -> Any:

@@ -52,6 +52,10 @@ class _Engine:
         with self.gathered(modify=True):
             load_weights(self.module, folder)
 
+    def close(self) -> None:
+        """End of the run: drop what references the process groups."""
+        self.__dict__.clear()
+
 
 class ReplicaEngine(_Engine):
     name = "replica"
@@ -182,6 +186,13 @@ class DeepSpeedEngine(_Engine):
         params = [p for p in self.engine.module.parameters()
                   if p.requires_grad or self.tr.cfg.method == "full"]
         return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None)
+
+    def close(self) -> None:
+        """DeepSpeedEngine.destroy releases the optimizer's and the engine's state."""
+        engine = self.__dict__.pop("engine", None)
+        if engine is not None:
+            engine.destroy()
+        self.__dict__.clear()
 
     def save_state(self, folder: Path) -> None:
         """Every rank: DeepSpeed writes each rank's optimizer partition (collective)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -322,7 +323,21 @@ class Trainer(CheckpointedRun):
         finally:
             self.folder.release()
             if hasattr(self, "dist"):
+                self._drop_engine()
                 self.dist.close()
+
+    def _drop_engine(self) -> None:
+        """Let go of every object that holds a process group (engine, model, optimizer),
+        so that Dist.close can shut the groups' backends down (see release_process_groups)."""
+        engine = self.__dict__.pop("engine", None)
+        if engine is not None:
+            try:
+                engine.close()
+            except Exception as err:  # noqa: BLE001 - teardown must not hide the run's error
+                print(f"oomless: rank {self.dist.rank}: closing the {engine.name} engine "
+                      f"failed ({type(err).__name__}: {err})", file=sys.stderr)
+        for name in ("model", "optimizer", "scheduler", "params"):
+            self.__dict__.pop(name, None)
 
     def _run(self) -> TrainResult:
         from .evaluate import Evaluator
