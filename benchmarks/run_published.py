@@ -57,7 +57,14 @@ ROWS = [
 _SWIFT = ("https://github.com/modelscope/ms-swift/blob/46922151e06cdfc110882e182757674f12352f2c/"
           "docs/source_en/LLM/Benchmark.md")
 # ms-swift's dataset table (docs, 'Supported models and datasets'): damo/zh_cls_fudan-news,
-# train split, 4959 rows, tokens 3234.4±2547.5, min=91, max=19548 (Qwen's tokenizer)
+# train split, 4959 rows, tokens 3234.4±2547.5, min=91, max=19548 (Qwen's tokenizer).
+# The benchmark's script (scripts/benchmark/test_memory_time/run_single.py) trains on all of
+# it (train_dataset_sample -1 for max_length <= 2048); swift's default truncation_strategy
+# 'delete' leaves out the samples longer than max_length. The rows themselves (one token
+# length each) are on ModelScope only: no copy of damo/zh_cls_fudan-news (nor of its
+# swift/zh_cls_fudan-news re-export, text/category/output) was found in the public GitHub
+# repositories searched (2026-11-26; tutorials that train on it download train.jsonl
+# from ModelScope and do not commit it), so its lengths stay drawn from these statistics.
 SWIFT_DATA = {"n": 4959, "mean": 3234.4, "std": 2547.5, "min": 91, "max": 19548}
 SWIFT_SHAPES = ("truncnorm", "lognormal")  # the row's prediction, then the sensitivity
 _SWIFT_SETUP = ("ms-swift benchmark (docs/source_en/LLM/Benchmark.md, 'Model Type & Max Length', "
@@ -87,6 +94,13 @@ for _model, _values in (("qwen-1_8b", (6.99, 10.71, 16.35)),
                      "setup": _SWIFT_SETUP + f"; --max_length {_length}", "order": "random",
                      "config": f"published/swift-{_model}-lora.yaml", "max_length": _length,
                      "assumptions": list(SWIFT_ASSUMPTIONS)})
+# What would predict the PEFT rows: the token length of each training sample, i.e.
+# meta-math/MetaMathQA (395k rows, one JSON file of about 400 MB on the Hugging Face hub)
+# filtered by data.py (CHAR_LIMIT), split by its StratifiedKFold, formatted with the
+# run's query template and tokenized with Llama-3.2's tokenizer. Neither the dataset (nor a
+# sample of it) nor that tokenizer was found in the public GitHub repositories searched
+# (2026-11-26); a partial sample would in any case not give the longest of the run's 20000
+# samples, which set the high water.
 MISS_NO_LENGTHS = (
     "not predicted: the run's token lengths are not published as a distribution. What the "
     "PEFT repository publishes: method_comparison/MetaMathQA/data.py keeps the samples whose "
