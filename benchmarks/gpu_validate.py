@@ -16,7 +16,13 @@ GPU, one optimizer, the caching allocator keeping its blocks from step to step,
 and are predicted by oomless.allocator.run from the step traced at three
 lengths; per step, the real and predicted max_memory_reserved / allocated are
 written to benchmarks/results/gpu_validate_variable.json (curves and the
-high-water error).
+high-water error). --alloc-conf TEXT runs it under PYTORCH_CUDA_ALLOC_CONF=TEXT
+(set before CUDA starts) and predicts it with the same settings, e.g.
+expandable_segments:True, the setting a run that "fits only with
+expandable_segments" depends on. Each row starts from an empty allocator (what
+was left before is collected and the cache emptied; what stays reserved is
+recorded) and records the allocator's retries (num_alloc_retries: cudaMalloc
+failed, the cache was freed and the request retried) beside the predicted ones.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import subprocess
 import sys
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -111,7 +118,9 @@ def errors(pred: dict, meas: dict) -> dict:
 
 
 def variable_run_on_gpu(cfg: RunConfig, lengths: list[int]) -> list[list[int]]:
-    """Per step: [step, length, max allocated, max reserved, reserved at the end]."""
+    """Per step: [step, length, max allocated, max reserved, reserved at the end,
+    allocated at the end, num_alloc_retries so far] (the first five as the prediction's
+    StepPoint has them)."""
     import torch
 
     from oomless.runtime.build import build_model
@@ -145,15 +154,52 @@ def variable_run_on_gpu(cfg: RunConfig, lengths: list[int]) -> list[list[int]]:
             optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             rows.append([step, length, torch.cuda.max_memory_allocated(),
-                         torch.cuda.max_memory_reserved(), torch.cuda.memory_reserved()])
+                         torch.cuda.max_memory_reserved(), torch.cuda.memory_reserved(),
+                         torch.cuda.memory_allocated(),
+                         torch.cuda.memory_stats().get("num_alloc_retries", 0)])
     return rows
+
+
+def empty_allocator() -> int:
+    """Drop what an earlier row left (reference cycles included) and give the cache back;
+    the bytes still reserved after it (0 for a clean start)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def compare_curves(measured: list[list[int]], pred: Any) -> dict:
+    """High water, its step, the reserved-but-unallocated share at the end of the run,
+    the worst per-step error of the step's peak reserved, and the retries, measured and
+    predicted."""
+    real_high = max(r[3] for r in measured)
+    by_step = {p.step: p for p in pred.curve}
+    step_errors = [(by_step[r[0]].peak_reserved_bytes - r[3]) / r[3]
+                   for r in measured if r[0] in by_step and r[3]]
+    last = pred.curve[-1] if pred.curve else None
+    return {"measured_high_water_bytes": real_high,
+            "predicted_high_water_bytes": pred.high_water_bytes,
+            "high_water_error": (pred.high_water_bytes - real_high) / real_high,
+            "measured_high_water_step": next(r[0] for r in measured if r[3] == real_high),
+            "predicted_high_water_step": pred.high_water_step,
+            "step_peak_reserved_worst_error": max(step_errors, key=abs, default=None),
+            "measured_reserved_end_bytes": measured[-1][4],
+            "predicted_reserved_end_bytes": last.reserved_end_bytes if last else None,
+            "measured_num_alloc_retries": measured[-1][6],
+            "predicted_num_alloc_retries": pred.num_alloc_retries,
+            "predicted_fits": pred.fits}
 
 
 def variable_rows(args: argparse.Namespace) -> list[dict]:
     """Each VARIABLE_ROWS run measured in this process, then predicted."""
+    from oomless.allocator import AllocatorConfig
     from oomless.allocator.run import simulate_run
     from oomless.planner.runsim import step_lengths
-    from oomless.runtime.trace.run_stream import scaled_step_stream
+    from oomless.runtime.trace.run_stream import capacity_bytes, scaled_step_stream
 
     out = []
     for row in VARIABLE_ROWS[: args.rows]:
@@ -161,21 +207,20 @@ def variable_rows(args: argparse.Namespace) -> list[dict]:
         lens = step_lengths(row["lengths"], batch=cfg.micro_batch_size,
                             grad_accum=cfg.grad_accum, steps=row["steps"], order=row["order"],
                             cap=max(row["lengths"]), seed=cfg.training.seed)
+        left_reserved = empty_allocator()
         measured = variable_run_on_gpu(cfg, lens)
-        import torch
-
-        torch.cuda.empty_cache()
-        stream = scaled_step_stream(cfg, max(lens), Cluster(get_gpu(args.gpu)))
-        pred = simulate_run(stream, lens, curve_points=0)
-        real_high = max(r[3] for r in measured)
-        rec = {"config": row, "traced_lengths": list(stream.lengths),
+        empty_allocator()
+        cluster = Cluster(get_gpu(args.gpu))
+        stream = scaled_step_stream(cfg, max(lens), cluster)
+        alloc_cfg = AllocatorConfig.from_conf(args.alloc_conf, capacity_bytes(cluster, 1))
+        pred = simulate_run(stream, lens, alloc_cfg, curve_points=0)
+        rec = {"config": row, "alloc_conf": args.alloc_conf,
+               "predicted_allocator": alloc_cfg.describe(),
+               "reserved_before_row_bytes": left_reserved,
+               "traced_lengths": list(stream.lengths),
                "measured_curve": measured,
                "predicted_curve": [list(p.__dict__.values()) for p in pred.curve],
-               "measured_high_water_bytes": real_high,
-               "predicted_high_water_bytes": pred.high_water_bytes,
-               "high_water_error": (pred.high_water_bytes - real_high) / real_high,
-               "measured_high_water_step": next(r[0] for r in measured if r[3] == real_high),
-               "predicted_high_water_step": pred.high_water_step}
+               **compare_curves(measured, pred)}
         print(json.dumps({k: v for k, v in rec.items() if not k.endswith("curve")}), flush=True)
         out.append(rec)
     return out
@@ -189,13 +234,20 @@ def main() -> None:
     ap.add_argument("--gpu", default="h100-sxm", help="catalog GPU to predict for")
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--alloc-conf", default=None, metavar="TEXT",
+                    help="with --variable: run under PYTORCH_CUDA_ALLOC_CONF=TEXT and predict "
+                         "with it (e.g. expandable_segments:True)")
     args = ap.parse_args()
+    if args.alloc_conf is not None:  # read when CUDA starts: before torch touches the GPU
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
     device = gpu_name()
     if args.variable:
         result = {"date": date.today().isoformat(), "gpu": device, "catalog_gpu": args.gpu,
-                  "rows": variable_rows(args)}
+                  "alloc_conf": args.alloc_conf, "rows": variable_rows(args)}
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "gpu_validate_variable.json").write_text(json.dumps(result, indent=1) + "\n")
+        name = "gpu_validate_variable" + ("_" + args.alloc_conf.replace(":", "-").replace(",", "_")
+                                          if args.alloc_conf else "")
+        (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
         return
     rows = []
     for row in ROWS[: args.rows]:

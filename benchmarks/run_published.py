@@ -57,7 +57,14 @@ ROWS = [
 _SWIFT = ("https://github.com/modelscope/ms-swift/blob/46922151e06cdfc110882e182757674f12352f2c/"
           "docs/source_en/LLM/Benchmark.md")
 # ms-swift's dataset table (docs, 'Supported models and datasets'): damo/zh_cls_fudan-news,
-# train split, 4959 rows, tokens 3234.4±2547.5, min=91, max=19548 (Qwen's tokenizer)
+# train split, 4959 rows, tokens 3234.4±2547.5, min=91, max=19548 (Qwen's tokenizer).
+# The benchmark's script (scripts/benchmark/test_memory_time/run_single.py) trains on all of
+# it (train_dataset_sample -1 for max_length <= 2048); swift's default truncation_strategy
+# 'delete' leaves out the samples longer than max_length. The rows themselves (one token
+# length each) are on ModelScope only: no copy of damo/zh_cls_fudan-news (nor of its
+# swift/zh_cls_fudan-news re-export, text/category/output) was found in the public GitHub
+# repositories searched (2026-11-26; tutorials that train on it download train.jsonl
+# from ModelScope and do not commit it), so its lengths stay drawn from these statistics.
 SWIFT_DATA = {"n": 4959, "mean": 3234.4, "std": 2547.5, "min": 91, "max": 19548}
 SWIFT_SHAPES = ("truncnorm", "lognormal")  # the row's prediction, then the sensitivity
 _SWIFT_SETUP = ("ms-swift benchmark (docs/source_en/LLM/Benchmark.md, 'Model Type & Max Length', "
@@ -87,6 +94,13 @@ for _model, _values in (("qwen-1_8b", (6.99, 10.71, 16.35)),
                      "setup": _SWIFT_SETUP + f"; --max_length {_length}", "order": "random",
                      "config": f"published/swift-{_model}-lora.yaml", "max_length": _length,
                      "assumptions": list(SWIFT_ASSUMPTIONS)})
+# What would predict the PEFT rows: the token length of each training sample, i.e.
+# meta-math/MetaMathQA (395k rows, one JSON file of about 400 MB on the Hugging Face hub)
+# filtered by data.py (CHAR_LIMIT), split by its StratifiedKFold, formatted with the
+# run's query template and tokenized with Llama-3.2's tokenizer. Neither the dataset (nor a
+# sample of it) nor that tokenizer was found in the public GitHub repositories searched
+# (2026-11-26); a partial sample would in any case not give the longest of the run's 20000
+# samples, which set the high water.
 MISS_NO_LENGTHS = (
     "not predicted: the run's token lengths are not published as a distribution. What the "
     "PEFT repository publishes: method_comparison/MetaMathQA/data.py keeps the samples whose "
@@ -127,10 +141,13 @@ def predict(row: dict, lengths: list[int], steps: int) -> dict:
             "traced_lengths": list(stream.lengths), "steps": run.steps}
 
 
-def predict_swift(row: dict, steps: int = 0) -> list[dict]:
+def predict_swift(row: dict, steps: int = 0, seeds: int = 0) -> list[dict]:
     """An ms-swift row under each length shape (SWIFT_SHAPES): lengths drawn from the
     published statistics, the samples longer than max_length left out, one epoch through
-    the allocator model. The step is traced once, up to max_length."""
+    the allocator model. The step is traced once, up to max_length. ``seeds`` N > 0: the
+    first shape's run is also replayed under the shuffle seeds 1..N (the run's own order,
+    torch's RandomSampler under swift's seed, is not reproduced here: Python's generator
+    gives other orders of the same distribution), to show how much the order moves it."""
     from length_shapes import sample_lengths
 
     from oomless.api import cluster_for
@@ -159,12 +176,18 @@ def predict_swift(row: dict, steps: int = 0) -> list[dict]:
                     "expandable_reserved_max": pred.expandable.high_water_bytes,
                     "samples_kept": len(kept), "steps": run.steps,
                     "traced_lengths": list(stream.lengths)})
+        if seeds and shape == SWIFT_SHAPES[0]:
+            out[0]["by_seed"] = {seed: predict_run(
+                stream, kept, batch=cfg.micro_batch_size, grad_accum=cfg.grad_accum,
+                steps=out[0]["steps"], order=row["order"], cap=cap,
+                capacity_bytes=capacity_bytes(cluster, 1), seed=seed,
+                fixes=False).default.high_water_bytes for seed in range(1, seeds + 1)}
     return out
 
 
-def _predict_row(row: dict, rec: dict, files: dict, steps: int) -> None:
+def _predict_row(row: dict, rec: dict, files: dict, steps: int, seeds: int = 0) -> None:
     if "max_length" in row:
-        preds = predict_swift(row, steps)
+        preds = predict_swift(row, steps, seeds)
         rec["predicted"], rec["sensitivity"] = preds[0], preds[1:]
         rec["assumptions"] = row["assumptions"]
         pub = row["published"]["reserved_max"]
@@ -187,6 +210,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="steps to replay (default: the row's)")
     ap.add_argument("--only", action="append", default=[], metavar="ROW_ID",
                     help="predict only these rows; the others keep their committed results")
+    ap.add_argument("--seeds", type=int, default=0, metavar="N",
+                    help="ms-swift rows: also replay under the shuffle seeds 1..N")
     ap.add_argument("--not-run", action="append", default=[], metavar="ROW_ID",
                     help="write these rows as not predicted by this run (a replay not finished)")
     args = ap.parse_args()
@@ -200,7 +225,7 @@ def main() -> None:
         if row["id"] in args.not_run:
             rec["miss"] = NOT_RUN.format(id=row["id"])
         else:
-            _predict_row(row, rec, files, args.steps)
+            _predict_row(row, rec, files, args.steps, args.seeds)
         print(rec["id"], rec.get("errors", rec.get("miss")), flush=True)
         _write(out, rec, keep_others=bool(args.only or args.not_run))
     print(markdown(json.loads(out.read_text())["rows"]))
@@ -254,6 +279,13 @@ def markdown(rows: list[dict]) -> str:
                        f"{p['fragmentation_at_high_water'] / 2**30:.2f} GiB of it reserved but "
                        f"unallocated; peak allocated {p['allocated_max'] / 2**30:.2f} GiB; with "
                        f"expandable_segments {p['expandable_reserved_max'] / 2**30:.2f} GiB.")
+            if p.get("by_seed"):
+                pub = r["published"]["reserved_max"]
+                per = sorted(p["by_seed"].values())
+                out.append(f"  Order: under the shuffle seeds 1–{len(per)} instead of the default "
+                           f"(42) the high water is {per[0] / 2**30:.2f}–{per[-1] / 2**30:.2f} GiB "
+                           f"({(per[0] - pub) / pub:+.1%} to {(per[-1] - pub) / pub:+.1%}), median "
+                           f"{per[len(per) // 2] / 2**30:.2f} GiB.")
         for a in r.get("assumptions", ()):
             out.append(f"  Assumption — {a}.")
     return "\n".join(out) + "\n"

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from oomless.allocator import ALLOC, FREE, AllocatorConfig, replay
 from oomless.allocator.run import run_events, simulate_run
-from oomless.allocator.stepstream import StreamMismatch, canonical, fit_stream
+from oomless.allocator.stepstream import ScaledStream, StreamMismatch, canonical, fit_stream
 from oomless.planner.runsim import loader_order, predict_run, step_lengths
 
 MiB = 1 << 20
@@ -83,6 +83,21 @@ def test_two_lengths_scale_linearly():
     scores = next(i for i, s in enumerate(stream.sizes) if s == (128 * 128 * 16, 256 * 256 * 16))
     # the chord through 128 and 256: exact at both ends, too large between
     assert stream.sizes_at(192)[scores] == (128 * 128 * 16 + 256 * 256 * 16) // 2
+
+
+def test_sizes_shared_by_equal_rows_are_the_sizes_scaled_event_by_event():
+    # the activation and its gradient have one row of traced sizes: scaled once, shared
+    for stream in (scaled(), scaled((128, 256)), scaled((64, 100, 256))):
+        assert len(stream._distinct_rows()[0]) < sum(k == ALLOC for k, _ in stream.events)
+        for length in (1, 63, 64, 77, 128, 200, 256, 1000, 4097):
+            assert stream.sizes_at(length) == stream.sizes_at_each(length)
+
+
+def test_run_with_shared_sizes_equals_the_run_scaled_event_by_event(monkeypatch):
+    lengths = [random.Random(0).randint(32, 400) for _ in range(30)]
+    fast = simulate_run(scaled(), lengths, curve_points=0)
+    monkeypatch.setattr(ScaledStream, "sizes_at", ScaledStream.sizes_at_each)
+    assert simulate_run(scaled(), lengths, curve_points=0) == fast
 
 
 def test_traces_running_other_ops_are_refused():

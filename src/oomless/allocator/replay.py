@@ -38,6 +38,24 @@ class AllocatorReport:
         return d
 
 
+def apply_event(alloc: CachingAllocator, live: dict[Any, _Block], kind: str, key: Any,
+                size: int) -> bool:
+    """One event through ``alloc``: an allocation takes a block for ``key`` in ``live``
+    (raises SimulatedOOM when it does not fit even after the allocator freed its cache),
+    a free gives ``key``'s block back. False when nothing happened: a zero-byte request
+    (PyTorch returns a null pointer for it) or a free of a key that holds no block."""
+    if kind == ALLOC:
+        if size <= 0:
+            return False
+        live[key] = alloc.malloc(size)
+        return True
+    block = live.pop(key, None)
+    if block is None:
+        return False
+    alloc.free(block)
+    return True
+
+
 def replay(
     events: Iterable[tuple[str, int, int]],
     config: AllocatorConfig | None = None,
@@ -50,26 +68,22 @@ def replay(
     event and keeps about that many points, each bucket's highest.
     """
     alloc = CachingAllocator(config)
-    live: dict[int, _Block] = {}
+    live: dict[Any, _Block] = {}
     points: list[tuple[int, int, int]] = []
     reserved_at_peak = 0
     oom_at = oom_bytes = None
     n = 0
     for n, (kind, key, size) in enumerate(events):
+        try:
+            applied = apply_event(alloc, live, kind, key, size)
+        except SimulatedOOM as err:
+            oom_at, oom_bytes = n, err.size_bytes
+            break
         if kind == ALLOC:
-            if size <= 0:
+            if not applied:
                 continue
-            try:
-                live[key] = alloc.malloc(size)
-            except SimulatedOOM as err:
-                oom_at, oom_bytes = n, err.size_bytes
-                break
             if alloc.allocated_bytes == alloc.peak_allocated_bytes:
                 reserved_at_peak = alloc.reserved_bytes
-        else:
-            block = live.pop(key, None)
-            if block is not None:
-                alloc.free(block)
         if timeline_points:
             points.append((n, alloc.allocated_bytes, alloc.reserved_bytes))
     return AllocatorReport(

@@ -28,7 +28,7 @@ from typing import Any
 
 from .caching import CachingAllocator, _Block
 from .config import AllocatorConfig, SimulatedOOM
-from .replay import ALLOC, FREE, downsample
+from .replay import ALLOC, FREE, apply_event, downsample
 from .stepstream import ScaledStream
 
 CURVE_POINTS = 200
@@ -214,19 +214,12 @@ def simulate_run(stream: ScaledStream, lengths: Sequence[int | Sequence[int]],
             if empty_cache_every and (current + 1) % empty_cache_every == 0:
                 alloc.empty_cache()
             current, step_alloc, step_res = step, 0, 0
-        if kind == ALLOC:
-            if size <= 0:
+        try:
+            if not apply_event(alloc, live, kind, key, size):
                 continue
-            try:
-                live[key] = alloc.malloc(size)
-            except SimulatedOOM as err:
-                oom = (step, err.size_bytes)
-                break
-        else:
-            block = live.pop(key, None)
-            if block is None:
-                continue
-            alloc.free(block)
+        except SimulatedOOM as err:
+            oom = (step, err.size_bytes)
+            break
         step_alloc = max(step_alloc, alloc.allocated_bytes)
         step_res = max(step_res, alloc.reserved_bytes)
         if alloc.reserved_bytes > high:
