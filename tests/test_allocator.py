@@ -143,6 +143,56 @@ def test_freed_neighbours_merge_back():
     assert r.final_allocated_bytes == 16 * MiB
 
 
+def test_best_fit_takes_the_smallest_cached_block_that_fits():
+    # get_free_block: pool.blocks.lower_bound(search_key) in a set ordered by
+    # BlockComparatorSize (stream, size, address): the smallest block >= the request.
+    # A 30 MiB and B 14 MiB cached; 12 MiB takes B (2 MiB > 1 MiB left: split), so
+    # 28 MiB still finds A: nothing new is reserved. Taking A first would need 28 MiB more
+    r = run([30 * MiB, 14 * MiB, -1, -2, 12 * MiB, 28 * MiB])
+    assert r.peak_reserved_bytes == 44 * MiB
+    assert r.final_allocated_bytes == 40 * MiB
+
+
+def test_equal_sizes_go_to_the_lower_address():
+    # BlockComparatorSize's last key is the block's address (ptr)
+    alloc = CachingAllocator()
+    a, b = alloc.malloc(12 * MiB), alloc.malloc(12 * MiB)
+    low = min(a.addr, b.addr)
+    alloc.free(b)
+    alloc.free(a)
+    assert alloc.malloc(12 * MiB).addr == low
+
+
+def test_split_thresholds_of_both_pools():
+    # should_split: a small block splits when >= kMinBlockSize (512 B) remains, so a
+    # 2 MiB segment serves 1 MiB, 1 MiB - 512 and then exactly 512 B
+    r = run([MiB, MiB - 512, 512])
+    assert r.peak_reserved_bytes == 2 * MiB
+    assert r.final_allocated_bytes == 2 * MiB
+    # a large block splits only when more than kSmallSize (1 MiB) remains: 25 MiB - 512
+    # in a 26 MiB segment leaves 1 MiB + 512, split off (25 MiB left 1 MiB: not split,
+    # test_unsplit_remainder_counts_as_allocated)
+    assert run([25 * MiB - 512]).peak_allocated_bytes == 25 * MiB - 512
+
+
+def test_a_freed_block_merges_with_both_neighbours_at_once():
+    # free_block tries {block->prev, block->next} in turn (try_merge_blocks): freeing
+    # the middle of three 4 MiB blocks last joins A, B, C and the 8 MiB tail into the
+    # whole 20 MiB segment, which a 20 MiB request then takes without a new segment
+    r = run([4 * MiB, 4 * MiB, 4 * MiB, -1, -3, -2, 20 * MiB])
+    assert r.peak_reserved_bytes == 20 * MiB
+    assert r.final_allocated_bytes == 20 * MiB
+
+
+def test_freeing_the_cache_keeps_segments_with_a_live_block():
+    # release_cached_blocks -> release_blocks frees only blocks with no prev and no
+    # next (unsplit): A's 20 MiB segment (split, A live) stays, B's cached 30 MiB goes,
+    # and 40 MiB then fits in 60 MiB after one retry
+    r = run([4 * MiB, 30 * MiB, -2, 40 * MiB], capacity_bytes=60 * MiB)
+    assert r.oom_at_event is None and r.num_alloc_retries == 1
+    assert r.final_reserved_bytes == 60 * MiB
+
+
 def test_alloc_conf_parsing():
     cfg = AllocatorConfig.from_conf("expandable_segments:True, max_split_size_mb:128")
     assert cfg.expandable_segments and cfg.max_split_size_bytes == 128 * MiB

@@ -297,6 +297,27 @@ def test_micro_batches_each_run_at_their_own_length():
     assert len(born - freed) == 4
 
 
+def test_a_long_run_leaks_nothing_between_steps():
+    """What a step leaves allocated is the same after every step of any lengths: the
+    weights, the optimizer states created once in the first step, and the last micro
+    batch's held output; the gradient zero_grad frees and every earlier micro batch's
+    output are gone (a leak would show as reserved-but-unallocated growth)."""
+    from oomless.allocator import CachingAllocator
+    from oomless.allocator.replay import apply_event
+
+    stream = accum_scaled()
+    rnd = random.Random(3)
+    steps = [(256,)] + [tuple(rnd.randrange(40, 400) for _ in range(rnd.randrange(2, 6)))
+                        for _ in range(30)]
+    alloc, live, ends = CachingAllocator(), {}, {}
+    for step, kind, key, size in run_events(stream, steps):
+        apply_event(alloc, live, kind, key, size)
+        ends[step] = (alloc.allocated_bytes, len(live))
+    for step, micro in enumerate(steps[1:], start=1):
+        held = -(-micro[-1] * 64 // 512) * 512  # the last micro batch's output, rounded
+        assert ends[step] == (8 * MiB + 2 * 2 * MiB + held, 4)
+
+
 def test_equal_micro_lengths_replay_the_traced_step():
     stream = accum_scaled()
     as_traced = simulate_run(stream, [256] * 5)

@@ -5,8 +5,9 @@ Pure Python, torch-free. It follows ``c10/cuda/CUDACachingAllocator.cpp``
 ``alloc_found_block``, ``free_block``, ``try_merge_blocks``,
 ``release_available_cached_blocks``, ``release_cached_blocks`` and the
 expandable-segment functions ``find_expandable_block``, ``map_block``,
-``try_allocate_expandable_block``, ``unmap_block``) for one device and one
-stream:
+``try_allocate_expandable_block``, ``unmap_block``; compared function by
+function with pytorch/pytorch@001074d25084fdb87a799823e395a50f5ec044d3) for one
+device and one stream:
 
 - requests round up to 512 bytes (``round_size``; optional power-of-2 divisions);
 - ≤ 1 MiB goes to the small pool, served from 2 MiB segments; larger requests
