@@ -168,7 +168,17 @@ def _rank(rank: int, out: str, port: int) -> None:  # pragma: no cover - child p
              "shard": m._handle.flat_param.numel()} for m in units]
     if rank == 0:
         Path(out).write_text(json.dumps({"flat": rows, "trace": trace}))
-    dist.destroy_process_group()
+    # FSDP1 keeps its process group referenced (DTensor caches), so gloo's worker threads
+    # would outlive the interpreter's shutdown and may abort the rank after a correct run
+    # (oomless.runtime.train.dist.release_process_groups explains it): release what can
+    # be released, then end the rank without interpreter shutdown, as `oomless train` does
+    from oomless.runtime.train.dist import release_process_groups
+
+    del model, units
+    release_process_groups()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.multirank
