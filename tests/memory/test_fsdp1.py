@@ -174,7 +174,7 @@ def _rank(rank: int, out: str, port: int) -> None:  # pragma: no cover - child p
     # be released, then end the rank without interpreter shutdown, as `oomless train` does
     from oomless.runtime.train.dist import release_process_groups
 
-    del model, units
+    del model
     release_process_groups()
     sys.stdout.flush()
     sys.stderr.flush()
