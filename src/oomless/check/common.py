@@ -112,3 +112,66 @@ def defaults_note(d: dict[str, Any], defaults: dict[str, Any], tool: str,
     missing = [f"{k} {v}" for k, v in defaults.items() if k not in d]
     if missing:
         reading.notes.append(f"not set, {tool}'s defaults: {', '.join(missing)}")
+
+
+# TrainingArguments' own FSDP (transformers trainer_utils.FSDPOption; training_args.py
+# TrainingArguments._process_fsdp_args and _apply_legacy_fsdp_to_config, 5.23): the words of
+# ``fsdp`` name the sharding strategy, "offload" sets fsdp_config cpu_offload, "auto_wrap" is
+# the default wrapping; fsdp_config keys lose an "fsdp_" prefix. Strategy → the ZeRO stage
+# whose sharding it matches: FULL/HYBRID_SHARD shard parameters, SHARD_GRAD_OP (and
+# hybrid_shard_zero2) gradients and optimizer states only.
+_TA_FSDP_STAGE = {"full_shard": 3, "hybrid_shard": 3, "shard_grad_op": 2,
+                  "hybrid_shard_zero2": 2, "no_shard": 0}
+# the FSDP version TrainingArguments runs when fsdp_config has no "version": 2 in
+# transformers 5 (``int(self.fsdp_config.get("version", 2))``); transformers 4 handed the
+# accelerate plugin no version, whose default is FSDP1
+TA_FSDP_DEFAULT_VERSION = {4: 1, 5: 2}
+
+
+def transformers_major() -> int:
+    """The installed transformers' major release (5, the release the project pins, when
+    transformers is not installed)."""
+    from ..memory.stacks import installed_version
+
+    return int((installed_version("transformers") or "5").split(".")[0])
+
+
+def training_args_fsdp(d: dict[str, Any], where: Callable[[str], str],
+                       transformers_major: int) -> tuple[dict[str, Any], list[str]] | None:
+    """(the run keys — zero, offload, fsdp, and grad_ckpt when FSDP checkpoints — and
+    notes) of TrainingArguments' ``fsdp`` / ``fsdp_config`` keys, or None when the file
+    does not use FSDP."""
+    fsdp = d.get("fsdp")
+    if not fsdp:
+        return None
+    words = fsdp.split() if isinstance(fsdp, str) else (
+        [str(w) for w in fsdp] if isinstance(fsdp, list) else ["full_shard"])
+    conf = d.get("fsdp_config") or {}
+    notes: list[str] = []
+    if not isinstance(conf, dict):
+        notes.append(f"{where('fsdp_config')}: the file '{conf}' is not read: FSDP's prefetch "
+                     "and version take their defaults")
+        conf = {}
+    conf = {k[5:] if k.startswith("fsdp_") else k: v for k, v in conf.items()}
+    strategies = [w.lower() for w in words if w.lower() in _TA_FSDP_STAGE]
+    stage = _TA_FSDP_STAGE[strategies[0]] if strategies else 3
+    offload = "all" if stage == 3 and ("offload" in words or conf.get("cpu_offload")) else "none"
+    version = conf.get("version") or TA_FSDP_DEFAULT_VERSION.get(transformers_major, 2)
+    section: dict[str, Any] = {"version": int(version)}
+    if int(version) == 1:
+        section.update(backward_prefetch=str(conf.get("backward_prefetch") or "NO_PREFETCH").upper(),
+                       forward_prefetch=str(conf.get("forward_prefetch", False)).lower() == "true",
+                       use_orig_params=str(conf.get("use_orig_params", True)).lower() == "true")
+        if "limit_all_gathers" in conf:
+            section["limit_all_gathers"] = str(conf["limit_all_gathers"]).lower() == "true"
+    how = "no sharding" if stage == 0 else f"sharded as ZeRO-{stage}"
+    notes.append(f"{where('fsdp')}: FSDP{version} {' '.join(words)} ({how}"
+                 + (", parameters offloaded to CPU" if offload != "none" else "")
+                 + ("" if conf.get("version") else
+                    f"; fsdp_config has no version: transformers {transformers_major} runs "
+                    f"FSDP{version}") + ")")
+    run: dict[str, Any] = {"zero": stage, "offload": offload, "fsdp": section}
+    if str(conf.get("activation_checkpointing", False)).lower() == "true":
+        run["grad_ckpt"] = True  # FSDP's own activation checkpointing wraps every layer
+        notes.append(f"{where('fsdp_config')}: activation_checkpointing: every layer checkpointed")
+    return run, notes

@@ -16,7 +16,17 @@ from typing import Any
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..knobs import OPTIMIZERS
-from .common import HF_KEYS, batch_edits, grad_ckpt_key, hf_eval, knob_edits, optimizer, precision
+from .common import (
+    HF_KEYS,
+    batch_edits,
+    grad_ckpt_key,
+    hf_eval,
+    knob_edits,
+    optimizer,
+    precision,
+    training_args_fsdp,
+    transformers_major,
+)
 from .dsfiles import (
     LLAVA_DEEPSPEED,
     MOE_LLAVA_DEEPSPEED,
@@ -95,6 +105,11 @@ def read_hf_deepspeed(ta_src: Source | None, ds_src: Source | None, model: str |
         "grad_ckpt": bool(ta.get(grad_ckpt_key(ta))), "zero": zero, "offload": offload,
         "eval": hf_eval(ta, micro, None),
     }
+    sharded = training_args_fsdp(ta, ta_src.where, transformers_major()) \
+        if ta_src and not ds_src else None
+    if sharded:
+        r.run.update(sharded[0])
+        r.assumptions.extend(sharded[1])
     if not method:
         r.notes.append("the files do not say the method: estimated as full fine-tuning (--method)")
     if not seq_len and not ta.get("model_max_length"):
@@ -230,6 +245,9 @@ def read_launch(src: Source, model: str | None) -> Reading:
     if a.get("deepspeed"):
         _s, (run["zero"], run["offload"]) = deepspeed_source(str(a["deepspeed"]), src.path,
                                                              shipped, r)
+    elif (sharded := training_args_fsdp(a, src.where, transformers_major())):
+        run.update(sharded[0])
+        r.assumptions.extend(sharded[1])
     if a.get("moe_enable"):
         r.facts["deepspeed_moe"] = True
     gpus = launcher_world_size(src.command)
@@ -239,8 +257,8 @@ def read_launch(src: Source, model: str | None) -> Reading:
     r.run = run
     r.shardings = tuple(shipped)  # the launcher is deepspeed: a fix names a shipped file
     r.fixed |= knob_set("grad_ckpt", "optimizer", "zero", "eval_batch", "lora", "quantization")
-    if run["stack"] == "custom-loop" and not a.get("deepspeed"):
-        r.fixed.add("zero")  # no DeepSpeed file of its own to point a fix at
+    if (run["stack"] == "custom-loop" and not a.get("deepspeed")) or a.get("fsdp"):
+        r.fixed.add("zero")  # no DeepSpeed file of its own to point a fix at, or FSDP's
     return r
 
 

@@ -24,6 +24,8 @@ from .common import (
     optimizer,
     pre_quantized_note,
     precision,
+    training_args_fsdp,
+    transformers_major,
 )
 from .dsfiles import LF_DEEPSPEED, deepspeed_ref, deepspeed_source
 from .sources import Reading, Source, check_keys
@@ -120,6 +122,10 @@ def read_lf_dict(d: dict[str, Any], where: Callable[[str], str], src: Source, mo
     if d.get("deepspeed"):
         _s, (run["zero"], run["offload"]) = deepspeed_source(str(d["deepspeed"]), src.path,
                                                              LF_DEEPSPEED, r)
+    elif (sharded := training_args_fsdp(d, where, transformers_major())):
+        run.update(sharded[0])
+        r.assumptions.extend(sharded[1])
+        r.fixed.add("zero")  # a fix never adds a DeepSpeed file next to the file's FSDP
     new_tokens = d.get("max_new_tokens", LF_DEFAULT_NEW_TOKENS)
     eval_d = {**d, "do_eval": d.get("do_eval") or bool(d.get("val_size"))}
     run["eval"] = hf_eval(eval_d, run["micro_batch_size"], new_tokens)

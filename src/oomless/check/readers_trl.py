@@ -23,7 +23,16 @@ from typing import Any
 
 from ..config import RunConfig
 from ..memory.stacks import NEWEST_TRL, installed_version, version_tuple
-from .common import HF_KEYS, grad_ckpt_key, hf_eval, knob_edits, optimizer, precision
+from .common import (
+    HF_KEYS,
+    grad_ckpt_key,
+    hf_eval,
+    knob_edits,
+    optimizer,
+    precision,
+    training_args_fsdp,
+    transformers_major,
+)
 from .sources import Reading, Source, check_keys, knob_set
 
 TRL_DEFAULT_MAX_LENGTH = 1024  # SFTConfig / DPOConfig max_length default (TRL ≥ 0.16)
@@ -134,6 +143,10 @@ def read_trl(src: Source, model: str | None) -> Reading:
     defaults, notes = trl_defaults(d, trl_version())
     run.update(defaults)
     r.notes.extend(notes)
+    sharded = training_args_fsdp(d, src.where, transformers_major())
+    if sharded:
+        run.update(sharded[0])
+        r.assumptions.extend(sharded[1])
     _method(d, run)
     if run["method"] == "full" and d.get("torch_dtype") == "bfloat16" and run["precision"] == "bf16":
         run["precision"] = "pure-bf16"

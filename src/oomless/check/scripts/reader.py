@@ -19,7 +19,15 @@ from typing import Any
 from ...config import RunConfig
 from ...errors import ConfigError
 from .. import foreign_keys as K
-from ..common import HF_KEYS, hf_eval, knob_edits, optimizer, pre_quantized_note
+from ..common import (
+    HF_KEYS,
+    hf_eval,
+    knob_edits,
+    optimizer,
+    pre_quantized_note,
+    training_args_fsdp,
+    transformers_major,
+)
 from ..readers_hf import launch_edits as llava_edits
 from ..readers_hf import read_launch as read_llava
 from ..shellargs import BARE
@@ -166,6 +174,10 @@ def read_by_meaning(src: Source, model: str | None, json_tool: str | None = None
     s = F.settings(a, tool)
     run = _run(s, tool, src, model, r)
     r.run = run
+    sharded = None if run.get("zero") else training_args_fsdp(a, src.where, transformers_major())
+    if sharded:  # TrainingArguments' own --fsdp (Stanford Alpaca's "full_shard auto_wrap")
+        run.update(sharded[0])
+        r.assumptions.extend(sharded[1])
     if launch:
         gpu_count(src, r)
         _environment(src, tool, s, r)
@@ -174,6 +186,8 @@ def read_by_meaning(src: Source, model: str | None, json_tool: str | None = None
         r.facts["image_max_pixels"] = s["image_max_pixels"].value
     _batch(s, run, r)
     r.fixed |= knob_set(*_writable(s, tool, src))
+    if sharded:
+        r.fixed.add("zero")  # a fix never adds DeepSpeed next to the script's FSDP
     if tool and F.TOOLS[tool].get("bare_flags"):  # a bare flag is added, never removed
         r.facts["may_not_express"] = {"zero", "offload", "grad_ckpt"}
     for meaning in ("micro_batch", "grad_accum"):
