@@ -123,8 +123,9 @@ def defaults_note(d: dict[str, Any], defaults: dict[str, Any], tool: str,
 _TA_FSDP_STAGE = {"full_shard": 3, "hybrid_shard": 3, "shard_grad_op": 2,
                   "hybrid_shard_zero2": 2, "no_shard": 0}
 # the FSDP version TrainingArguments runs when fsdp_config has no "version": 2 in
-# transformers 5 (``int(self.fsdp_config.get("version", 2))``); transformers 4 handed the
-# accelerate plugin no version, whose default is FSDP1
+# transformers 5.16.1 and 5.23 (``int(self.fsdp_config.get("version", 2))``); earlier
+# releases read ``get("version", 1)`` or handed accelerate no version (its default: FSDP1).
+# The release that switched is not pinned here: every 5.x is read as 2, every 4.x as 1.
 TA_FSDP_DEFAULT_VERSION = {4: 1, 5: 2}
 
 
