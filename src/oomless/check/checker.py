@@ -1,14 +1,15 @@
 """``oomless check``: will a configuration people already have run out of memory,
 in which phase, and what is the smallest change to the same file that fits.
 
-The files are read by oomless.check.reading into a RunConfig, estimated with
-the analytic model, and, when the predicted device peak is above the budget
-((1 − headroom) × GPU memory), the planner searches with the "change"
-objective — the fewest, cheapest knob changes at the same effective batch,
-restricted to what the file's format can express — and the first candidate
-that no rule of check/rules.py forbids is the fix. The change is written back
-as edits of the same file(s), shown as a unified diff, and read back again to
-make sure the edited file says what the plan says.
+The files are read by oomless.check.reading and assembled into a RunConfig
+by oomless.check.assemble, estimated with the analytic model, and, when the
+predicted device peak is above the budget ((1 − headroom) × GPU memory), the
+planner searches with the "change" objective — the fewest, cheapest knob
+changes at the same effective batch, restricted to what the file's format can
+express — and the first candidate that no rule of check/rules.py forbids is
+the fix. The change is written back as edits of the same file(s), shown as a
+unified diff, and read back again to make sure the edited file says what the
+plan says.
 
 Verdicts: "fits" (within the headroom, exit 0), "tight" (fits the GPU but
 not the headroom, exit 1 with the fix), "out_of_memory" (exit 1).
@@ -21,15 +22,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import RunConfig, build_run_config
-from ..errors import ConfigError, UnknownGPUError
-from ..models.hardware import Cluster, get_gpu, parse_gpu_arg
+from ..config import RunConfig
+from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 from ..planner.plan import KNOBS as PLAN_KNOBS
 from ..planner.plan import _get, search
 from ..planner.request import build_request
 from ..result import TRAIN_PHASES
-from . import foreign_keys as K
+from .assemble import CheckOptions, gpu_cluster, read_files, resolve, run_config
 from .reading import ReadOptions, edits_for, read_sources
 from .rules import RuleContext, allowed_shardings, broken_rules, config_warnings
 from .scripts.decide import settle
@@ -37,22 +37,13 @@ from .settings import apply_data, unmodelled_settings
 from .sources import Reading, load_source, source_from_text
 from .textedit import new_file_diff, set_value, unified_diff
 
+# What the command line, the UI, the trainer's configs and the tests import from here
+# (CheckOptions, read_files, resolve and run_config live in oomless.check.assemble).
+__all__ = ["CANDIDATES", "CheckOptions", "CheckResult", "apply_edits", "check", "check_task",
+           "diff_name", "edits_for", "phase_device_bytes", "read_files", "resolve",
+           "run_config"]
+
 CANDIDATES = 40  # planner candidates tried against the rules, smallest change first
-
-
-@dataclass(frozen=True)
-class CheckOptions:
-    files: tuple[str, ...]
-    gpu: str | None = None
-    nodes: int | None = None
-    model: str | None = None
-    seq_len: int | None = None
-    method: str | None = None
-    images: int | None = None
-    headroom: float = 0.10
-    host_ram_gb: float | None = None
-    strict: bool = False
-    data: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,89 +101,6 @@ class CheckResult:
         d.pop("new_texts")
         d.update(fits=self.fits, within_budget=self.within_budget, verdict=self.verdict)
         return d
-
-
-def read_files(opts: CheckOptions) -> Reading:
-    sources = [load_source(f, "main") for f in opts.files]
-    reading = read_sources(sources, ReadOptions(opts.model, opts.method, opts.seq_len))
-    K.refuse_if_strict(reading.warnings, opts.strict, ", ".join(opts.files))
-    return reading
-
-
-def _explicit_count(text: str) -> bool:
-    try:
-        get_gpu(text.strip())
-    except UnknownGPUError:
-        return True  # "4090x8" is not a GPU name: it carries a count
-    return False
-
-
-def _cluster(opts: CheckOptions, run: dict[str, Any]) -> Cluster:
-    hw = run.get("hardware") or {}
-    host = round(opts.host_ram_gb * 1e9) if opts.host_ram_gb else None
-    nodes = opts.nodes or hw.get("nodes", 1)
-    if opts.gpu:
-        cluster = parse_gpu_arg(opts.gpu, nodes=nodes, host_ram_bytes=host)
-        if not _explicit_count(opts.gpu) and hw.get("gpus_per_node"):
-            cluster = Cluster(cluster.gpu, hw["gpus_per_node"], nodes, host)
-        return cluster
-    if hw.get("gpu"):
-        return parse_gpu_arg(f"{hw['gpu']} x{hw.get('gpus_per_node', 1)}", nodes=nodes,
-                             host_ram_bytes=host)
-    raise ConfigError("oomless check needs the GPUs: --gpu NAME[xN] (e.g. --gpu 'a100-80gb x8')")
-
-
-def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: ModelSpec) -> RunConfig:
-    run = dict(reading.run)
-    if opts.model:
-        run["model"] = opts.model
-    if reading.facts.get("deepspeed") and "deepspeed" not in run:
-        run["deepspeed"] = reading.facts["deepspeed"]  # the DeepSpeed file's ZeRO buffers
-    if run.get("precision") == "bf16" and not cluster.gpu.bf16:
-        run["precision"] = "fp16"  # bf16: auto / a card without bf16: the tools fall back
-    _lora_targets(run, spec, reading)
-    if run.get("attn", "sdpa") == "sdpa" and not spec.sdpa_supported:
-        run["attn"] = "eager"  # the model's code has no SDPA path (spec assumptions say why)
-        reading.notes.append(f"{spec.name}'s code has no SDPA path: its attention runs eager "
-                             "(--assumptions says why)")
-    run["hardware"] = {**(run.get("hardware") or {}), "gpu": cluster.gpu.name,
-                       "gpus_per_node": cluster.gpus_per_node, "nodes": cluster.nodes}
-    if opts.images and spec.vision is None:
-        raise ConfigError(f"--images {opts.images}: {spec.name} is a text model (no vision "
-                          "tower) and cannot take images; drop --images")
-    if spec.vision is not None:
-        data = dict(run.get("data") or {})
-        if opts.images is not None or not data.get("images_per_sample"):
-            data["images_per_sample"] = 1 if opts.images is None else opts.images
-        run["data"] = data
-    main = reading.sources.get("main") or next(iter(reading.sources.values()))
-    return build_run_config(run, str(main.path), main.lines)
-
-
-def _lora_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> None:
-    """Keep the LoRA targets that are linears of the language model's layers (a target
-    in the vision tower or the projector is said, not counted)."""
-    from ..memory.states import lora_targets
-
-    targets = (run.get("lora") or {}).get("targets")
-    if isinstance(targets, str) and targets != "all-linear":
-        from .lora_names import resolve_regex_targets
-
-        resolve_regex_targets(run, spec, reading)
-        targets = run["lora"]["targets"]
-    if not isinstance(targets, list):
-        return
-    kept = []
-    for raw in targets:
-        try:
-            lora_targets(spec, [str(raw).rsplit(".", 1)[-1]])
-            kept.append(str(raw).rsplit(".", 1)[-1])
-        except ConfigError:
-            note = f"LoRA target '{raw}' is not a linear of {spec.name}'s decoder layers: not counted"
-            if note not in reading.assumptions:
-                reading.assumptions.append(note)
-    if kept:
-        run["lora"] = {**run["lora"], "targets": kept}
 
 
 def phase_device_bytes(spec: ModelSpec, cfg: RunConfig, cluster: Cluster) -> dict[str, int]:
@@ -314,37 +222,6 @@ def _fix(s: _Search) -> tuple[Any, dict[str, str], dict[str, str]]:
     return None, {}, {}
 
 
-def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
-    """The model's spec. A local folder that is not on this machine ('./Qwen2.5-7B-Instruct')
-    is read as the catalog model of the same name, with a note."""
-    from ..api import resolve_model
-    from ..errors import UnknownModelError
-    from ..models.catalog import find_entry
-
-    named = reading.run.get("model")
-    model = opts.model or named
-    if not model:
-        raise ConfigError("no model: pass --model")
-    if opts.model and named and named != opts.model:
-        reading.notes.append(f"the file names the model '{named}'; checked as '{opts.model}' "
-                             "(--model)")
-    try:
-        return resolve_model(str(model)).spec
-    except UnknownModelError as err:
-        entry = find_entry(Path(str(model)).name)
-        if entry is None or not str(model).startswith((".", "/", "~")):
-            if opts.model:
-                raise
-            raise UnknownModelError(f"the file names the model '{model}', which oomless "
-                                    "cannot resolve: pass --model NAME (a catalog model of the "
-                                    f"same architecture) or --model path/to/config.json. {err}"
-                                    ) from None
-    reading.notes.append(f"'{model}' is not on this machine: read as the catalog model "
-                         f"{entry.name} of the same name (--model to choose another)")
-    reading.run["model"] = entry.name
-    return entry.spec
-
-
 def check_task(src: Any, task: str, opts: CheckOptions) -> CheckResult:
     """``oomless check`` of a file that does not train (check/tasks.py): the memory of
     what it runs, never a fix."""
@@ -355,7 +232,7 @@ def check_task(src: Any, task: str, opts: CheckOptions) -> CheckResult:
     reading = Reading(task, LABELS[task], {"main": src},
                       {"model": d.get("model" if task == "vllm-serve" else "model_name_or_path")})
     spec = resolve(reading, opts)
-    cluster = _cluster(opts, {})
+    cluster = gpu_cluster(opts, {})
     mem = task_memory(task, d, spec, cluster)
     total = cluster.gpu.memory_bytes
     limit, peak = mem["limit"] or total, mem["peak"]
@@ -384,7 +261,7 @@ def check(opts: CheckOptions) -> CheckResult:
     reading = read_files(opts)
     settle(reading, opts)  # "can't tell" unless an option settles it
     spec = resolve(reading, opts)
-    cluster = _cluster(opts, reading.run)
+    cluster = gpu_cluster(opts, reading.run)
     reading = apply_data(reading, opts, spec)
     cfg = run_config(reading, opts, cluster, spec)
     per_phase = phase_device_bytes(spec, cfg, cluster)
