@@ -29,9 +29,9 @@ from ...allocator import AllocatorConfig
 from ...config import RunConfig
 from ...models.hardware import Cluster
 from ...result import MemoryEstimate
-from ..build import TraceUnsupported, build_model, num_layers_of, transformers_config
+from ..build import BuiltModel, TraceUnsupported, build_model, num_layers_of, transformers_config
 from .analysis import TraceStats, analyze, extrapolate, module_peaks
-from .expansion import ExpansionError, expand, stream_of
+from .expansion import ExpansionError, Stream, expand, stream_of
 from .tracked_run import TraceFailed, layer_index, run_tracked
 
 FULL_TRACE_MAX_LAYERS = 4
@@ -203,14 +203,7 @@ def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | Non
                               step_hooks=stage.step_hooks if stage else (None, None))
     if stage:
         built.notes.extend(stage.notes)
-    params, trainable = built.param_count, built.trainable_params
-    if plan.full:
-        stream = stream_of(tracker)
-    else:
-        stream = expand(tracker, plan.block(1), plan.block(0), plan.block(2), plan.copies)
-        extra_params, extra_trainable = _block_params(model, plan.traced, plan.block(1))
-        params += (plan.copies - 1) * extra_params
-        trainable += (plan.copies - 1) * extra_trainable
+    stream, params, trainable = _all_layers(tracker, built, plan)
     stats = analyze(stream, alloc_config, num_layers=plan.total, param_count=params,
                     trainable_params=trainable, timeline_points=timeline_points,
                     module_peaks=module_peaks(tracker))
@@ -218,6 +211,18 @@ def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | Non
     stats.stream = stream
     stats.notes.extend(built.notes)
     return stats
+
+
+def _all_layers(tracker: Any, built: BuiltModel, plan: LayerPlan) -> tuple[Stream, int, int]:
+    """The stream of ``plan.total`` layers (the traced one, or its middle block
+    repeated) and its parameters (all, trainable)."""
+    params, trainable = built.param_count, built.trainable_params
+    if plan.full:
+        return stream_of(tracker), params, trainable
+    stream = expand(tracker, plan.block(1), plan.block(0), plan.block(2), plan.copies)
+    extra_params, extra_trainable = _block_params(built.model, plan.traced, plan.block(1))
+    return (stream, params + (plan.copies - 1) * extra_params,
+            trainable + (plan.copies - 1) * extra_trainable)
 
 
 def _batch(model: Any, spec: Any, cfg: RunConfig, b: int, seq: int, images: bool) -> dict:
@@ -319,18 +324,25 @@ def _analytic_generation(spec: Any, cfg: RunConfig, cluster: Cluster | None,
     return out
 
 
-def _estimate(spec: Any, cfg: RunConfig, cluster: Cluster | None, runs: list[TraceStats],
-              plan: LayerPlan, seconds: float) -> MemoryEstimate:
-    from ...memory.overheads import non_pytorch_bytes
-
+def _traced_numbers(runs: list[TraceStats], plan: LayerPlan) -> dict[str, Any]:
+    """The traced breakdown, tensor peaks, reserved and paged bytes and parameter counts
+    of ``plan.total`` layers: the last trace's, or two shallow traces extrapolated."""
     last = runs[-1]
     if len(runs) == 2:
-        nums = extrapolate(runs[0], runs[1], plan.total)
-    else:
-        nums = {"breakdown": last.breakdown, "tensor_peaks": last.tensor_peaks,
-                "peak_reserved_bytes": last.peak_reserved_bytes, "paged_bytes": last.paged_bytes,
-                "param_count": last.param_count, "trainable_params": last.trainable_params}
-    breakdown = {p: dict(c) for p, c in nums["breakdown"].items()}
+        return extrapolate(runs[0], runs[1], plan.total)
+    return {"breakdown": last.breakdown, "tensor_peaks": last.tensor_peaks,
+            "peak_reserved_bytes": last.peak_reserved_bytes, "paged_bytes": last.paged_bytes,
+            "param_count": last.param_count, "trainable_params": last.trainable_params}
+
+
+def _completed_breakdown(spec: Any, cfg: RunConfig, cluster: Cluster | None,
+                         traced: dict[str, dict[str, int]]) -> tuple[dict[str, dict[str, int]], int]:
+    """The traced breakdown with what the trace does not run (DDP's gradient buckets,
+    HF generate, the model preparation before the first step) and the reserved bytes
+    the buckets add."""
+    from ...memory.training import setup_phase_bytes
+
+    breakdown = {p: dict(c) for p, c in traced.items()}
     extra_reserved = 0
     if cfg.world_size > 1:
         buckets = breakdown.get("optimizer", {}).get("gradients", 0)
@@ -340,31 +352,38 @@ def _estimate(spec: Any, cfg: RunConfig, cluster: Cluster | None, runs: list[Tra
     generation = _analytic_generation(spec, cfg, cluster, breakdown)
     if generation:
         breakdown["generation"] = generation
-    from ...memory.training import setup_phase_bytes
-
     # model preparation before the first step (prepare_model_for_kbit_training's fp32
     # copies): analytic, on the traced weights
     setup = setup_phase_bytes(spec, cfg, breakdown.get("optimizer", {}))
     if setup:
         breakdown["setup"] = {k: round(v) for k, v in setup.items()}
+    return breakdown, extra_reserved
+
+
+def _trace_extra(runs: list[TraceStats], nums: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """What the trace saw beyond the breakdown (the estimate's ``extra``)."""
+    last = runs[-1]
+    extra = {"per_module_peak": last.module_peaks, "timeline": last.timeline,
+             "allocator": last.allocator, "layers_traced": [r.traced_layers for r in runs],
+             "tensor_peaks": nums["tensor_peaks"], "trace_seconds": round(seconds, 2),
+             "events": sum(r.num_events for r in runs)}
+    if nums["paged_bytes"]:
+        extra["paged_optimizer_bytes"] = nums["paged_bytes"]
+    return extra
+
+
+def _estimate(spec: Any, cfg: RunConfig, cluster: Cluster | None, runs: list[TraceStats],
+              plan: LayerPlan, seconds: float) -> MemoryEstimate:
+    from ...memory.band import band_bytes
+    from ...memory.overheads import non_pytorch_bytes
+
+    nums = _traced_numbers(runs, plan)
+    breakdown, extra_reserved = _completed_breakdown(spec, cfg, cluster, nums["breakdown"])
     totals = {p: sum(c.values()) for p, c in breakdown.items()}
     peak_phase = max(totals, key=totals.__getitem__)
     peak_alloc = totals[peak_phase]
     reserved = max(nums["peak_reserved_bytes"] + extra_reserved, peak_alloc)
     non_pt = non_pytorch_bytes(cluster, cfg.world_size)
-    extra = {
-        "per_module_peak": last.module_peaks,
-        "timeline": last.timeline,
-        "allocator": last.allocator,
-        "layers_traced": [r.traced_layers for r in runs],
-        "tensor_peaks": nums["tensor_peaks"],
-        "trace_seconds": round(seconds, 2),
-        "events": sum(r.num_events for r in runs),
-    }
-    if nums["paged_bytes"]:
-        extra["paged_optimizer_bytes"] = nums["paged_bytes"]
-    from ...memory.band import band_bytes
-
     low, high = band_bytes(reserved + sum(non_pt.values()), "trace")
     return MemoryEstimate(
         low_bytes=low, high_bytes=high,
@@ -374,5 +393,6 @@ def _estimate(spec: Any, cfg: RunConfig, cluster: Cluster | None, runs: list[Tra
         device_peak_bytes=reserved + sum(non_pt.values()), breakdown=breakdown,
         non_pytorch_bytes=non_pt, assumptions=tuple(_assumptions(cfg, runs, plan)),
         config=cfg.to_dict(), gpu=cluster.gpu.name if cluster else None,
-        gpu_memory_bytes=cluster.gpu.memory_bytes if cluster else None, extra=extra,
+        gpu_memory_bytes=cluster.gpu.memory_bytes if cluster else None,
+        extra=_trace_extra(runs, nums, seconds),
     )
