@@ -10,6 +10,7 @@ the decoder layer of its parameter.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from ...config import RunConfig
@@ -127,6 +128,40 @@ def _with_phases(hook: Any, on_phase: Any) -> Any:
     return None if hook is None else (lambda it: hook(it, on_phase))
 
 
+def _tracked_model(model: Any, cfg: RunConfig, batches: list[dict | None], num_layers: int,
+                   emulation: Any, frozen_models: tuple) -> tuple[Any, _Callbacks, ModuleStack]:
+    """A StorageTracker that knows the model's tensors (and the other models' weights),
+    the callbacks that categorize the step's tensors, and the module stack reporting to it."""
+    from .storage_tracker import StorageTracker
+
+    tracker = StorageTracker(emulation=emulation)
+    layers_name = decoder_layers_name(model, num_layers)
+    tracker.layers_name = layers_name or ""
+    register_model(tracker, model, cfg, batches, layers_name)
+    for other in frozen_models:
+        for p in other.parameters():
+            tracker.track(p, "parameter", WEIGHTS)
+        for b in other.buffers():
+            tracker.track(b, "buffer", WEIGHTS)
+    calls = _Callbacks(tracker, model, cfg, layers_name)
+    modules = ModuleStack(model, calls.on_enter, calls.on_exit)
+    if layers_name:
+        modules.set_layers(layers_name, num_layers)
+    tracker.modules = modules
+    return tracker, calls, modules
+
+
+def _cuda_kernels(emulation: Any) -> contextlib.ExitStack:
+    """CUDA's LayerNorm under autocast and its dropout kernel, where CUDA is emulated."""
+    from .cuda_emulation import cuda_autocast_layer_norm, cuda_dropout
+
+    cuda = contextlib.ExitStack()
+    if emulation is not None:
+        cuda.enter_context(cuda_autocast_layer_norm())
+        cuda.enter_context(cuda_dropout())
+    return cuda
+
+
 def run_tracked(model: Any, cfg: RunConfig, batch: dict, eval_batch: dict | None, *,
                 device_type: str, num_layers: int, fake: Any = None, emulation: Any = None,
                 iterations: int = 2, loss_fn: Any = None, frozen_models: tuple = (),
@@ -138,33 +173,13 @@ def run_tracked(model: Any, cfg: RunConfig, batch: dict, eval_batch: dict | None
     ``full_batch_values``: answer value reads of fake tensors as for a full batch
     (runtime/trace/data_emulation.py); ``step_hooks``: (before, after) each optimizer
     step, called with the iteration and the tracker's phase callback."""
-    import contextlib
-
     from .data_emulation import FullBatchMode
     from .hf_step import run_steps
-    from .storage_tracker import StorageTracker
 
-    tracker = StorageTracker(emulation=emulation)
-    layers_name = decoder_layers_name(model, num_layers)
-    tracker.layers_name = layers_name or ""
-    register_model(tracker, model, cfg, [batch, eval_batch], layers_name)
-    for other in frozen_models:
-        for p in other.parameters():
-            tracker.track(p, "parameter", WEIGHTS)
-        for b in other.buffers():
-            tracker.track(b, "buffer", WEIGHTS)
-    calls = _Callbacks(tracker, model, cfg, layers_name)
-    modules = ModuleStack(model, calls.on_enter, calls.on_exit)
-    if layers_name:
-        modules.set_layers(layers_name, num_layers)
-    tracker.modules = modules
-    from .cuda_emulation import cuda_autocast_layer_norm, cuda_dropout
-
+    tracker, calls, modules = _tracked_model(model, cfg, [batch, eval_batch], num_layers,
+                                             emulation, frozen_models)
     values = FullBatchMode() if full_batch_values else contextlib.nullcontext()
-    cuda = contextlib.ExitStack()
-    if emulation is not None:  # CUDA's LayerNorm under autocast and its dropout kernel
-        cuda.enter_context(cuda_autocast_layer_norm())
-        cuda.enter_context(cuda_dropout())
+    cuda = _cuda_kernels(emulation)
     try:
         with fake if fake is not None else contextlib.nullcontext(), values, cuda, tracker, \
                 modules:
