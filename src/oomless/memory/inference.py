@@ -195,6 +195,27 @@ def kv_block_bytes(spec: ModelSpec, block_size: int, kv_elem_bytes: int,
     return 2 * block_size * kv_dim * kv_elem_bytes * kv_layers_per_gpu(spec, par)
 
 
+def _served_weight_bytes(spec: ModelSpec, par: VllmParallel, lora_rank: int, max_loras: int) -> int:
+    """One GPU's weights and the LoRA slots vLLM pre-allocates for ``max_loras`` adapters
+    over all linears (the B side split like the base layer's output under TP: counted
+    whole, an upper bound)."""
+    weights = weight_bytes_per_gpu(spec, par)
+    if lora_rank:
+        per = sum(lin.in_features + lin.out_features for lin in spec.layer_linears())
+        weights += max_loras * lora_rank * per * kv_layers_per_gpu(spec, par) * 2
+    return weights
+
+
+def _smallest_utilization(required: float, total: int, used_by_others_bytes: int) -> float:
+    """The smallest utilization that holds ``required``, capped by MAX_UTILIZATION and by what
+    is free. vLLM checks free memory once its CUDA context exists (gpu_worker.init_device):
+    the cap leaves room for that context and for the CUDA graphs captured after the KV cache."""
+    free_frac = (total - used_by_others_bytes - C.CUDA_CONTEXT_BYTES
+                 - VLLM_CUDAGRAPH_BYTES) / total
+    return min(round(math.ceil(required * 100) / 100, 2), MAX_UTILIZATION,
+               round(math.floor(free_frac * 100) / 100, 2))
+
+
 def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs: int = 256,
                 gpu_memory_utilization: float | None = None, kv_cache_dtype: str = "auto",
                 block_size: int = VLLM_DEFAULT_BLOCK_SIZE,
@@ -211,12 +232,7 @@ def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs:
     tp = par.tensor_parallel_size
     total = gpu.memory_bytes
     kv_b = 1 if kv_cache_dtype.startswith("fp8") else 2
-    weights = weight_bytes_per_gpu(spec, par)
-    if lora_rank:
-        # vLLM pre-allocates LoRA slots for max_loras adapters over all linears
-        # (the B side split like the base layer's output under TP: counted whole, an upper bound).
-        per = sum(lin.in_features + lin.out_features for lin in spec.layer_linears())
-        weights += max_loras * lora_rank * per * kv_layers_per_gpu(spec, par) * 2
+    weights = _served_weight_bytes(spec, par, lora_rank, max_loras)
     rule = profile_rule(engine_version)
     batched = max_num_batched_tokens or (max(max_model_len, VLLM_V0_MIN_BATCHED_TOKENS) if rule
                                          else VLLM_DEFAULT_BATCHED_TOKENS)
@@ -225,17 +241,10 @@ def vllm_budget(spec: ModelSpec, gpu: GPUSpec, max_model_len: int, max_num_seqs:
     non_torch = _non_kv_extra(par, rule, engine_version, other_processes_bytes)
     non_kv = weights + profile + non_torch
     block = kv_block_bytes(spec, block_size, kv_b, par)
-    blocks_needed = max_num_seqs * math.ceil(max_model_len / block_size)
-    kv_needed = blocks_needed * block
+    kv_needed = max_num_seqs * math.ceil(max_model_len / block_size) * block
     required = (non_kv + kv_needed) / total + headroom
-    # vLLM checks free memory after its own CUDA context exists
-    # (gpu_worker.init_device), so the cap leaves room for that context; the CUDA
-    # graphs captured after the KV cache need room above the budget too.
-    free_frac = (total - used_by_others_bytes - C.CUDA_CONTEXT_BYTES
-                 - VLLM_CUDAGRAPH_BYTES) / total
-    util = gpu_memory_utilization if gpu_memory_utilization is not None else min(
-        round(math.ceil(required * 100) / 100, 2), MAX_UTILIZATION,
-        round(math.floor(free_frac * 100) / 100, 2))
+    util = gpu_memory_utilization if gpu_memory_utilization is not None else \
+        _smallest_utilization(required, total, used_by_others_bytes)
     budget = int(util * total)
     kv = max(0, budget - non_kv)
     num_blocks = kv // block
