@@ -119,17 +119,10 @@ def test_order_of_consecutive_frees_does_not_change_the_allocator(sizes, rnd):
     assert replay(canonical(events)) == replay(events)
 
 
-def test_run_hands_held_outputs_over_and_accumulates_nothing():
+def test_run_hands_held_outputs_over_and_accumulates_nothing(born_once_freed_once):
     stream = scaled()
-    born, freed = set(), set()
     lengths = [64, 256, 128, 100, 256, 64]
-    for _, kind, key, _ in run_events(stream, lengths):
-        if kind == ALLOC:
-            assert key not in born
-            born.add(key)
-        else:
-            assert key in born and key not in freed
-            freed.add(key)
+    born, freed = born_once_freed_once(run_events(stream, lengths))
     # live at the end: weights, two optimizer states, the last step's held output
     assert len(born - freed) == 4
     states = [k for k in born if isinstance(k, int) and k in (6, 7)]
@@ -277,20 +270,13 @@ def accum_scaled():
                       {L: t[2] for L, t in traces.items()})
 
 
-def test_micro_batches_each_run_at_their_own_length():
+def test_micro_batches_each_run_at_their_own_length(born_once_freed_once):
     stream = accum_scaled()
     steps = [(100, 300, 200, 150), (120, 80, 60, 400), (90, 90, 90, 90)]
-    born, freed = set(), set()
-    logits = []
-    for step, kind, key, size in run_events(stream, [(256,)] + steps):
-        if kind == ALLOC:
-            assert key not in born
-            born.add(key)
-            if step and size % VOCAB_BYTES == 0 and size // VOCAB_BYTES > 50:
-                logits.append((step, size // VOCAB_BYTES))
-        else:
-            assert key in born and key not in freed
-            freed.add(key)
+    events = list(run_events(stream, [(256,)] + steps))
+    born, freed = born_once_freed_once(events)
+    logits = [(step, size // VOCAB_BYTES) for step, kind, _key, size in events
+              if kind == ALLOC and step and size % VOCAB_BYTES == 0 and size // VOCAB_BYTES > 50]
     # the logits of every micro batch, at its own length, in order
     assert logits == [(s + 1, L) for s, micro in enumerate(steps) for L in micro]
     # live at the end: weights, two optimizer states, the last micro batch's held output

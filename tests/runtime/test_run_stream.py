@@ -88,8 +88,7 @@ def test_real_model_run_that_fits_only_with_expandable_segments(eager):
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_runs_each_micro_batch_at_its_length():
-    from oomless.allocator import ALLOC
+def test_gradient_accumulation_runs_each_micro_batch_at_its_length(born_once_freed_once):
     from oomless.allocator.run import run_events
 
     model = resolved(tiny(layers=2))
@@ -99,13 +98,6 @@ def test_gradient_accumulation_runs_each_micro_batch_at_its_length():
     assert stream.micro is not None  # the trace ran two micro batches
     # micro batches all at the traced length: the traced step, repeated
     assert simulate_run(stream, [(128,) * 2] * 4).curve == simulate_run(stream, [128] * 4).curve
-    born, freed = set(), set()
-    for _, kind, key, _ in run_events(stream, [128, (40, 128, 90, 64), (100, 32, 32, 120)]):
-        if kind == ALLOC:
-            assert key not in born
-            born.add(key)
-        else:
-            assert key in born and key not in freed
-            freed.add(key)
+    born_once_freed_once(run_events(stream, [128, (40, 128, 90, 64), (100, 32, 32, 120)]))
     run = simulate_run(stream, [128, (40, 128, 90, 64), (100, 32, 32, 120)] * 3)
     assert run.fits and run.max_length == 128
