@@ -79,6 +79,20 @@ def _autocast(ta: dict[str, Any], run: dict[str, Any], r: Reading) -> None:
                    "input")
 
 
+def _glm_eval(ta: dict[str, Any], in_len: int, run: dict[str, Any], r: Reading) -> None:
+    """The evaluation finetune.py runs on the YAML's val_file."""
+    run["eval"] = {"batch_size": ta.get("per_device_eval_batch_size") or run["micro_batch_size"]}
+    new_tokens = (ta.get("generation_config") or {}).get("max_new_tokens")
+    if ta.get("predict_with_generate") and new_tokens:
+        # process_batch_eval gives input_ids and output_ids, no labels: Seq2SeqTrainer's
+        # prediction_step then generates and runs no loss forward
+        run["eval"].update({"predict_with_generate": True, "max_new_tokens": new_tokens,
+                            "loss": False})
+        r.notes.append(f"evaluation generates up to {new_tokens} tokens from prompts of at "
+                       f"most {in_len + 1} tokens and computes no loss (finetune.py feeds "
+                       "no labels to it)")
+
+
 def read_glm4(src: Source, model: str | None) -> Reading:
     r = Reading("glm4", "GLM-4 finetune YAML", {"main": src}, {},
                 shardings=((0, "none"), *GLM_DEEPSPEED))
@@ -112,16 +126,7 @@ def read_glm4(src: Source, model: str | None) -> Reading:
         _s, (run["zero"], run["offload"]) = deepspeed_source(str(ta["deepspeed"]), src.path,
                                                              GLM_DEEPSPEED, r)
     if eval_on(ta) and (d.get("data_config") or {}).get("val_file"):
-        run["eval"] = {"batch_size": ta.get("per_device_eval_batch_size") or run["micro_batch_size"]}
-        new_tokens = (ta.get("generation_config") or {}).get("max_new_tokens")
-        if ta.get("predict_with_generate") and new_tokens:
-            # process_batch_eval gives input_ids and output_ids, no labels: Seq2SeqTrainer's
-            # prediction_step then generates and runs no loss forward
-            run["eval"].update({"predict_with_generate": True, "max_new_tokens": new_tokens,
-                                "loss": False})
-            r.notes.append(f"evaluation generates up to {new_tokens} tokens from prompts of at "
-                           f"most {in_len + 1} tokens and computes no loss (finetune.py feeds "
-                           "no labels to it)")
+        _glm_eval(ta, in_len, run, r)
     how = "the YAML's training_args" if ckpt_key in ta else (
         "finetune/finetune.py (0414) enables it only when resuming" if layout_0414 else
         "finetune_demo/finetune.py always enables it")
