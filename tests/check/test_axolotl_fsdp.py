@@ -16,7 +16,9 @@ from oomless.api import estimate
 from oomless.check.checker import CheckOptions, check
 from oomless.check.common import training_args_fsdp
 from oomless.check.readers_axolotl import AXOLOTL_FSDP_VERSION, axolotl_fsdp
+from oomless.cli import main
 from oomless.config import RunConfig
+from oomless.errors import ConfigError
 from oomless.memory.precision import dtypes_for
 from oomless.memory.states import fsdp1_units
 from oomless.memory.zero_buffers import fsdp1_unsharded
@@ -54,6 +56,8 @@ def test_version_where_axolotl_takes_it():
     run, notes = axolotl_fsdp({"fsdp": ["full_shard", "auto_wrap"]}, WHERE)
     assert any("fsdp_config has no version" in n for n in notes)
     assert axolotl_fsdp({"fsdp_version": 2}, WHERE) is None  # the version alone is no FSDP
+    _run, notes = axolotl_fsdp({"fsdp": ["full_shard"], "fsdp_config": "fsdp.json"}, WHERE)
+    assert any("not a mapping: can't tell" in n for n in notes)
 
 
 def test_fsdp_config_keys_as_axolotls_schema_keeps_them():
@@ -125,3 +129,15 @@ def test_an_fsdp_config_alone_shards_the_run(tmp_path):
     assert unsharded.config["zero"] == 0
     parts = estimate(RunConfig(**r.config)).components
     assert parts["zero3_gathered"] > 0 and r.device_peak_bytes < unsharded.device_peak_bytes
+
+
+def test_deepspeed_and_fsdp_together_are_refused(tmp_path):
+    # axolotl's check_fsdp_deepspeed and transformers' Trainer ("Using --fsdp xxx together
+    # with --deepspeed is not possible") refuse the pair: check says so, exit 2
+    d = _yaml("phi3-ft-fsdp.yml")
+    d["deepspeed"] = "deepspeed_configs/zero3_bf16.json"
+    path = tmp_path / "both.yml"
+    path.write_text(yaml.safe_dump(d))
+    with pytest.raises(ConfigError, match="deepspeed and FSDP"):
+        _check(path, "a100-80gb x8")
+    assert main(["check", str(path), "--gpu", "a100-80gb x8"]) == 2

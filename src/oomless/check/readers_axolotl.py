@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
+from ..errors import ConfigError
 from .common import (
     STAGE_OF_FSDP_STRATEGY,
     knob_edits,
@@ -205,6 +206,11 @@ def read_axolotl(src: Source, model: str | None) -> Reading:
     if d.get("rl") and str(d["rl"]) not in RL_STAGE:
         r.assumptions.append(f"{src.where('rl')}: rl '{d['rl']}' is not modelled: estimated as SFT")
     sharded = axolotl_fsdp(d, src.where)
+    if sharded and d.get("deepspeed"):
+        key = "fsdp" if d.get("fsdp") else "fsdp_config"
+        raise ConfigError(f"{src.where('deepspeed')}: deepspeed and FSDP ({src.where(key)}) are "
+                          "both set: axolotl (check_fsdp_deepspeed) and transformers' Trainer "
+                          "refuse the two together; remove one of them")
     if sharded:
         run.update(sharded[0])
         r.assumptions.extend(sharded[1])
