@@ -15,7 +15,7 @@ import yaml
 from oomless.api import estimate
 from oomless.check.checker import CheckOptions, check
 from oomless.check.common import training_args_fsdp
-from oomless.check.readers_axolotl import AXOLOTL_FSDP_VERSION, axolotl_fsdp
+from oomless.check.readers_axolotl import AXOLOTL_FSDP_VERSION, axolotl_fsdp, parallel_notes
 from oomless.cli import main
 from oomless.config import RunConfig
 from oomless.errors import ConfigError
@@ -141,3 +141,18 @@ def test_deepspeed_and_fsdp_together_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="deepspeed and FSDP"):
         _check(path, "a100-80gb x8")
     assert main(["check", str(path), "--gpu", "a100-80gb x8"]) == 2
+
+
+def test_parallel_sizes_beside_fsdp_are_said_not_guessed():
+    # distributed-parallel/qwen3-8b-fsdp-tp-cp.yaml: FSDP2 from a top-level fsdp_version,
+    # with tensor and context parallelism that oomless does not model
+    d = _yaml("qwen3-8b-fsdp-tp-cp.yaml")
+    run, _notes = axolotl_fsdp(d, WHERE)
+    assert run["fsdp"]["version"] == 2 and run["zero"] == 3
+    said = parallel_notes(d, WHERE)
+    assert [n.split(":")[1] for n in said] == [
+        "dp_shard_size", "context_parallel_size", "tensor_parallel_size"]
+    assert all("can't tell" in n and "settles it" in n for n in said)
+    r = _check(AXOLOTL / "qwen3-8b-fsdp-tp-cp.yaml", "h100-80gb x8")
+    assert all(any(n.split(": ", 1)[1] in a for a in r.assumptions) for n in said)
+    assert parallel_notes({"tensor_parallel_size": 1}, WHERE) == []

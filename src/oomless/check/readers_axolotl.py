@@ -124,6 +124,29 @@ def axolotl_fsdp(d: dict[str, Any], where: Callable[[str], str]
     return run, notes
 
 
+# axolotl's parallel sizes beside data parallelism (utils/schemas/config.py; utils/trainer.py
+# setup_parallelism_envs hands them to accelerate's ParallelismConfig; expert_parallel_size is
+# the expert_parallel plugin's), 067b021: what each splits, none modelled
+AXOLOTL_PARALLEL_SIZES = {
+    "dp_shard_size": "FSDP shards over this many GPUs, replicated over the rest (unless it is "
+                     "the GPU count)",
+    "dp_replicate_size": "replicas of the FSDP shards",
+    "context_parallel_size": "each sequence split over this many GPUs",
+    "sequence_parallel_degree": "each sequence split over this many GPUs (the older name of "
+                                "context_parallel_size)",
+    "tensor_parallel_size": "each layer's weights and activations split over this many GPUs",
+    "expert_parallel_size": "the MoE experts split over this many GPUs",
+}
+
+
+def parallel_notes(d: dict[str, Any], where: Callable[[str], str]) -> list[str]:
+    """A can't-tell note for each of axolotl's parallel sizes set above 1."""
+    return [f"{where(key)}: {key} {d[key]}: {what}: not modelled, can't tell its memory (every "
+            f"GPU is counted as a data-parallel rank); removing {key} settles it"
+            for key, what in AXOLOTL_PARALLEL_SIZES.items()
+            if isinstance(d.get(key), int) and d[key] > 1]
+
+
 # What TrainingArguments (transformers 5.23 _process_fsdp_args) and accelerate 1.15's plugin
 # run with when axolotl ≥ 0.13 drops these fsdp_config keys
 _DROPPED_RUN_AS = {"limit_all_gathers": True, "backward_prefetch": "NO_PREFETCH",
@@ -211,6 +234,7 @@ def read_axolotl(src: Source, model: str | None) -> Reading:
         raise ConfigError(f"{src.where('deepspeed')}: deepspeed and FSDP ({src.where(key)}) are "
                           "both set: axolotl (check_fsdp_deepspeed) and transformers' Trainer "
                           "refuse the two together; remove one of them")
+    r.assumptions.extend(parallel_notes(d, src.where))
     if sharded:
         run.update(sharded[0])
         r.assumptions.extend(sharded[1])
