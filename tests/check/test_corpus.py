@@ -37,6 +37,9 @@ FILES: dict[str, tuple[str, dict]] = {
     "axolotl/instruct-dpo-lora-8b.yml": ("a100-80gb", {}),
     "axolotl/lora-8b.yml": ("a100-80gb", {}),
     "axolotl/mistral_qlora.yml": ("rtx-4090", {}),
+    "axolotl/adamw-pretrain-fsdp2.yaml": ("rtx-4090 x8", {}),  # a fix is printed
+    "axolotl/phi3-ft-fsdp.yml": ("a100-40gb x8", {}),
+    "axolotl/qwen3-8b-fsdp-tp-cp.yaml": ("h100-80gb x8", {}),
     "axolotl/qlora-fsdp-70b.yaml": ("rtx-4090 x2", {"model": "llama-3.1-70b-instruct"}),
     "axolotl/qlora.yml": ("rtx-4090", {}),
     "axolotl/zero3_bf16_cpuoffload_all.json": ("a100-80gb x8", JSON_ALONE),

@@ -38,6 +38,22 @@ def test_version_comes_from_fsdp_config_else_the_transformers_release():
     assert training_args_fsdp({"learning_rate": 1e-5}, WHERE, 5) is None
 
 
+@pytest.mark.parametrize("version,reshard,zero", [
+    (2, True, 3), (2, "false", 2), (1, "shard_grad_op", 2), (1, "FULL_SHARD", 3),
+])
+def test_reshard_after_forward_wins_over_the_strategy_words(version, reshard, zero):
+    # _apply_legacy_fsdp_to_config only setdefault()s reshard_after_forward from the words
+    conf = {"version": version, "reshard_after_forward": reshard}
+    run, notes = training_args_fsdp({"fsdp": "full_shard", "fsdp_config": conf}, WHERE, 5)
+    assert run["zero"] == zero and not any("can't tell" in n for n in notes)
+
+
+def test_a_reshard_after_forward_the_version_refuses_is_said():
+    conf = {"version": 1, "reshard_after_forward": True}  # FSDP1 takes a strategy name
+    run, notes = training_args_fsdp({"fsdp": True, "fsdp_config": conf}, WHERE, 5)
+    assert run["zero"] == 3 and any("can't tell the sharding" in n for n in notes)
+
+
 def _peak(path, gpu="a100-80gbx8"):
     r = check(CheckOptions(files=(str(path),), gpu=gpu))
     return r, r.device_peak_bytes

@@ -120,7 +120,7 @@ def defaults_note(d: dict[str, Any], defaults: dict[str, Any], tool: str,
 # the default wrapping; fsdp_config keys lose an "fsdp_" prefix. Strategy → the ZeRO stage
 # whose sharding it matches: FULL/HYBRID_SHARD shard parameters, SHARD_GRAD_OP (and
 # hybrid_shard_zero2) gradients and optimizer states only.
-_TA_FSDP_STAGE = {"full_shard": 3, "hybrid_shard": 3, "shard_grad_op": 2,
+STAGE_OF_FSDP_STRATEGY = {"full_shard": 3, "hybrid_shard": 3, "shard_grad_op": 2,
                   "hybrid_shard_zero2": 2, "no_shard": 0}
 # the FSDP version TrainingArguments runs when fsdp_config has no "version": 2 in
 # transformers 5.16.1 and 5.23 (``int(self.fsdp_config.get("version", 2))``); earlier
@@ -137,16 +137,36 @@ def transformers_major() -> int:
     return int((installed_version("transformers") or "5").split(".")[0])
 
 
+def _ta_fsdp_stage(words: list[str], reshard: Any, version: int) -> tuple[int, str | None]:
+    """The ZeRO stage TrainingArguments' FSDP shards as, and a note when it can't tell.
+    ``fsdp_config.reshard_after_forward`` wins over the ``fsdp`` words (transformers
+    _apply_legacy_fsdp_to_config only ``setdefault``s it): FSDP2 reads a bool (True: full
+    shard), FSDP1 a sharding strategy name (accelerate FullyShardedDataParallelPlugin)."""
+    strategies = [w.lower() for w in words if w.lower() in STAGE_OF_FSDP_STRATEGY]
+    if reshard is None:
+        return (STAGE_OF_FSDP_STRATEGY[strategies[0]] if strategies else 3), None
+    text = str(reshard).lower()
+    if version == 2 and text in ("true", "false", "1", "0"):
+        return (3 if text in ("true", "1") else 2), None
+    if version == 1 and text in STAGE_OF_FSDP_STRATEGY:
+        return STAGE_OF_FSDP_STRATEGY[text], None
+    want = "true or false" if version == 2 else ", ".join(STAGE_OF_FSDP_STRATEGY)
+    return 3, (f"reshard_after_forward {reshard!r} is not what FSDP{version} takes ({want}; "
+               "accelerate refuses it): can't tell the sharding, read as full sharding; set "
+               "fsdp_config.reshard_after_forward to settle it")
+
+
 def training_args_fsdp(d: dict[str, Any], where: Callable[[str], str],
                        transformers_major: int) -> tuple[dict[str, Any], list[str]] | None:
     """(the run keys — zero, offload, fsdp, and grad_ckpt when FSDP checkpoints — and
     notes) of TrainingArguments' ``fsdp`` / ``fsdp_config`` keys, or None when the file
-    does not use FSDP."""
+    does not use FSDP. ``fsdp: true`` (as axolotl passes it) names no strategy: the
+    sharding is ``fsdp_config``'s."""
     fsdp = d.get("fsdp")
     if not fsdp:
         return None
     words = fsdp.split() if isinstance(fsdp, str) else (
-        [str(w) for w in fsdp] if isinstance(fsdp, list) else ["full_shard"])
+        [str(w) for w in fsdp] if isinstance(fsdp, list) else [])
     conf = d.get("fsdp_config") or {}
     notes: list[str] = []
     if not isinstance(conf, dict):
@@ -154,23 +174,25 @@ def training_args_fsdp(d: dict[str, Any], where: Callable[[str], str],
                      "and version take their defaults")
         conf = {}
     conf = {k[5:] if k.startswith("fsdp_") else k: v for k, v in conf.items()}
-    strategies = [w.lower() for w in words if w.lower() in _TA_FSDP_STAGE]
-    stage = _TA_FSDP_STAGE[strategies[0]] if strategies else 3
+    version = int(conf.get("version") or TA_FSDP_DEFAULT_VERSION.get(transformers_major, 2))
+    stage, unsure = _ta_fsdp_stage(words, conf.get("reshard_after_forward"), version)
     offload = "all" if stage == 3 and ("offload" in words or conf.get("cpu_offload")) else "none"
-    version = conf.get("version") or TA_FSDP_DEFAULT_VERSION.get(transformers_major, 2)
-    section: dict[str, Any] = {"version": int(version)}
-    if int(version) == 1:
+    section: dict[str, Any] = {"version": version}
+    if version == 1:
         section.update(backward_prefetch=str(conf.get("backward_prefetch") or "NO_PREFETCH").upper(),
                        forward_prefetch=str(conf.get("forward_prefetch", False)).lower() == "true",
                        use_orig_params=str(conf.get("use_orig_params", True)).lower() == "true")
         if "limit_all_gathers" in conf:
             section["limit_all_gathers"] = str(conf["limit_all_gathers"]).lower() == "true"
     how = "no sharding" if stage == 0 else f"sharded as ZeRO-{stage}"
-    notes.append(f"{where('fsdp')}: FSDP{version} {' '.join(words)} ({how}"
+    named = " ".join(words) or "from fsdp_config"
+    notes.append(f"{where('fsdp')}: FSDP{version} {named} ({how}"
                  + (", parameters offloaded to CPU" if offload != "none" else "")
                  + ("" if conf.get("version") else
                     f"; fsdp_config has no version: transformers {transformers_major} runs "
                     f"FSDP{version}") + ")")
+    if unsure:
+        notes.append(f"{where('fsdp_config')}: {unsure}")
     run: dict[str, Any] = {"zero": stage, "offload": offload, "fsdp": section}
     if str(conf.get("activation_checkpointing", False)).lower() == "true":
         run["grad_ckpt"] = True  # FSDP's own activation checkpointing wraps every layer
