@@ -86,13 +86,12 @@ def test_the_hub_ids_resolve_plan_and_estimate_with_the_network_blocked(tmp_path
             assert f"template: {template}\n" in lf
 
 
-@pytest.mark.xfail(strict=True, reason="openbmb/MiniCPM-o-2_6 is not in the catalog: no whole "
-                   "copy of its config.json was found (only its head: the Qwen2-7B keys, "
-                   "drop_vision_last_layer false, the Whisper-medium audio_config; not its "
-                   "vision_config, tts_config, query_num), nor any copy of its "
-                   "model.safetensors.index.json, so no exact total to check a composition "
-                   "(Qwen2, SigLIP, Whisper encoder, resampler, ConditionalChatTTS with its "
-                   "DVAE) against; see fixtures/remote_code/README.md")
+@pytest.mark.xfail(strict=True, reason="openbmb/MiniCPM-o-2_6 is not in the catalog: the tail of "
+                   "its config.json (vision_config, query_num) and its model.safetensors.index.json "
+                   "are in no stored copy. The language model, the Whisper-medium audio tower and "
+                   "the ConditionalChatTTS are pinned by parameter counts measured on the release "
+                   "(7,864,846,900 for llm + tts, 8,188,585,524 with apm and its projection); the "
+                   "SigLIP tower and resampler are not; see fixtures/remote_code/README.md")
 def test_minicpm_o_2_6_resolves_from_the_catalog():
     assert find_entry("openbmb/MiniCPM-o-2_6") is not None
 
