@@ -188,11 +188,32 @@ def build_fake_shell(chatglm_config: dict[str, Any], cfg: Any, lm_layers: int | 
     """The shell on fake tensors with LoRA on the language model's q/k/v and, when
     ``vision.freeze_tower`` is off, on the tower's query_key_value; returns (model, the
     language model's layers)."""
+    from oomless.runtime.build import fake_mode, fakeify
+
+    model, layers = _meta_shell(chatglm_config, cfg, lm_layers, tower_layers)
+    fakeify(model, fake_mode())
+    return model, layers
+
+
+def build_real_shell(chatglm_config: dict[str, Any], cfg: Any, device: str,
+                     lm_layers: int | None = None,
+                     tower_layers: int | None = None) -> tuple[nn.Module, int]:
+    """The same shell with real random weights on ``device`` (a GPU measurement of it)."""
+    model, layers = _meta_shell(chatglm_config, cfg, lm_layers, tower_layers)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    return model, layers
+
+
+def _meta_shell(chatglm_config: dict[str, Any], cfg: Any, lm_layers: int | None,
+                tower_layers: int | None) -> tuple[nn.Module, int]:
     from peft import LoraConfig, get_peft_model
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
     from oomless.models.hf_decoder import chatglm_to_glm
-    from oomless.runtime.build import base_dtype, fake_mode, fakeify
+    from oomless.runtime.build import base_dtype
 
     AttentionInterface.register(CHATGLM_ATTENTION, chatglm_core_attention)
 
@@ -217,15 +238,14 @@ def build_fake_shell(chatglm_config: dict[str, Any], cfg: Any, lm_layers: int | 
         model = get_peft_model(model, LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
                                                  lora_dropout=cfg.lora.dropout,
                                                  target_modules=targets))
-    fakeify(model, fake_mode())
     return model, config.num_hidden_layers
 
 
 def shell_batch(model: nn.Module, vision_config: dict[str, Any], seq: int,
-                image_tokens: int) -> dict[str, torch.Tensor]:
-    """Fake inputs: ``seq`` text positions and one image (call in fake mode)."""
+                image_tokens: int, device: str | None = None) -> dict[str, torch.Tensor]:
+    """Inputs: ``seq`` text positions and one image (fake ones when called in fake mode)."""
     vocab = model.get_input_embeddings().num_embeddings
     side = vision_config["image_size"]
-    ids = torch.randint(0, vocab, (1, seq + image_tokens))
+    ids = torch.randint(0, vocab, (1, seq + image_tokens), device=device)
     return {"input_ids": ids, "labels": ids.clone(),
-            "images": torch.empty((1, 3, side, side), dtype=torch.float32)}
+            "images": torch.randn((1, 3, side, side), dtype=torch.float32, device=device)}
