@@ -220,7 +220,7 @@ def test_length_cap_fix_tries_percentiles_until_one_fits():
     assert caps[0]["fits"] and "max length 600 (truncates 5 of 100 samples)" == caps[0]["change"]
 
 
-def accum_trace(length: int) -> tuple[list, tuple[int, int], tuple[int, int]]:
+def accum_trace(length: int) -> tuple[list, tuple[int, int], tuple[int, int], tuple[int, int]]:
     """Two micro batches per step (gradient accumulation): the second frees the first's
     held output and replaces the gradient by the accumulated one."""
     events: list = []
@@ -241,8 +241,8 @@ def accum_trace(length: int) -> tuple[list, tuple[int, int], tuple[int, int]]:
             start = len(events)
         grad = None
         for micro in range(2):
-            if step == 1 and micro == 1:
-                mb2 = len(events)
+            if micro == 1:
+                first_mb2, mb2 = (len(events), None) if step == 0 else (first_mb2, len(events))
             act = alloc(length * 4096)
             if held:
                 free(held)
@@ -257,17 +257,18 @@ def accum_trace(length: int) -> tuple[list, tuple[int, int], tuple[int, int]]:
         if step == 1:
             opt = len(events)
         if step == 0:
+            first_opt = len(events)
             states = [alloc(2 * MiB), alloc(2 * MiB)]
         free(grad)  # zero_grad
     for key in states:
         free(key)
-    return events, (start, len(events)), (mb2, opt)
+    return events, (start, len(events)), (mb2, opt), (first_mb2, first_opt)
 
 
 def accum_scaled():
     traces = {L: accum_trace(L) for L in (64, 128, 256)}
     return fit_stream({L: t[0] for L, t in traces.items()}, {L: t[1] for L, t in traces.items()},
-                      {L: t[2] for L, t in traces.items()})
+                      {L: t[2] for L, t in traces.items()}, {L: t[3] for L, t in traces.items()})
 
 
 def test_micro_batches_each_run_at_their_own_length(born_once_freed_once):
@@ -281,6 +282,33 @@ def test_micro_batches_each_run_at_their_own_length(born_once_freed_once):
     assert logits == [(s + 1, L) for s, micro in enumerate(steps) for L in micro]
     # live at the end: weights, two optimizer states, the last micro batch's held output
     assert len(born - freed) == 4
+
+
+def test_the_first_step_runs_each_micro_batch_at_its_own_length(born_once_freed_once):
+    """The first step too (setup, then its micro batches, then the optimizer creating
+    its states): a run whose first step grows from micro batch to micro batch keeps
+    the segments each length left, as the real allocator does."""
+    from oomless.allocator import CachingAllocator
+    from oomless.allocator.replay import apply_event
+
+    stream = accum_scaled()
+    first = (100, 300, 200, 150)
+    events = list(run_events(stream, [first, (120, 80)]))
+    born, freed = born_once_freed_once(events)
+    logits = [size // VOCAB_BYTES for step, kind, _key, size in events
+              if kind == ALLOC and step == 0 and size % VOCAB_BYTES == 0
+              and size // VOCAB_BYTES > 50]
+    assert logits == list(first)
+    alloc, live, ends = CachingAllocator(), {}, {}
+    for step, kind, key, size in events:
+        apply_event(alloc, live, kind, key, size)
+        ends[step] = alloc.allocated_bytes
+    held = -(-first[-1] * 64 // 512) * 512  # the last micro batch's output, rounded
+    assert ends[0] == 8 * MiB + 2 * 2 * MiB + held  # weights, states, held: nothing leaks
+    # the history of the first step's lengths: more reserved than one step at its longest
+    grown = simulate_run(stream, [first, (120, 80)])
+    flat = simulate_run(stream, [(300,) * 4, (120, 80)])
+    assert grown.curve[0].reserved_end_bytes > flat.curve[0].reserved_end_bytes
 
 
 def test_a_long_run_leaks_nothing_between_steps():

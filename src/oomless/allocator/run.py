@@ -121,11 +121,8 @@ def run_events(stream: ScaledStream, lengths: Sequence[int | Sequence[int]]
                ) -> Iterator[tuple[int, str, Any, int]]:
     """(step, kind, key, bytes) of the whole run, step 0 included. ``lengths[i]``: the
     step's length, or its micro batches' lengths."""
-    first = max(_micro(lengths[0]))
-    sizes = stream.sizes_at(first)
-    for i in range(stream.step_start):
-        kind, key = stream.events[i]
-        yield 0, kind, key, sizes[i]
+    first_names: dict[Any, Any] = {}
+    yield from _first_step(stream, _micro(lengths[0]), first_names)
     pairs, left = _pairs(stream, stream.step_start, stream.step_end)
     b_pairs = _pairs(stream, *stream.micro)[0] if stream.micro else {}
     prev_left: dict[int, Any] = {}  # step allocation event → its name in the previous step
@@ -147,6 +144,7 @@ def run_events(stream: ScaledStream, lengths: Sequence[int | Sequence[int]]
                 target = _free_target(st, i, copy, pairs, b_pairs, prev_left)
                 if target is None:
                     continue
+                target = first_names.get(target, target) if step == 1 else target
                 handed.add(target)
                 b_live.discard(target)
                 yield step, FREE, target, 0
@@ -157,6 +155,57 @@ def run_events(stream: ScaledStream, lengths: Sequence[int | Sequence[int]]
             if name not in handed:
                 yield step, FREE, name, 0
         prev_left = {i: st.name(i, st.last) for i in left}
+
+
+def _first_step(stream: ScaledStream, micro: tuple[int, ...],
+                names: dict[Any, Any]) -> Iterator[tuple[int, str, Any, int]]:
+    """Setup and the first step (the events before ``step_start``), each micro batch at
+    its own length where the trace ran two (``first_micro``): the first micro batch,
+    the second once per further one, then the optimizer. Fills ``names``: a storage's
+    key → its name, for those the second micro batch's last copy left."""
+    if stream.first_micro is None or len(micro) < 2:
+        sizes = stream.sizes_at(max(micro))
+        for i in range(stream.step_start):
+            kind, key = stream.events[i]
+            yield 0, kind, key, sizes[i]
+        return
+    lo, hi = stream.first_micro
+    last = len(micro) - 1
+    born = {key: i for i, (kind, key) in enumerate(stream.events) if kind == ALLOC}
+    b_pairs = _pairs(stream, lo, hi)[0]
+
+    def name(i: int, copy: int) -> Any:
+        key = stream.events[i][1]
+        return (0, copy, key) if lo <= i < hi else key
+
+    ranges = [(0, 0, lo)] + [(c, lo, hi) for c in range(1, last + 1)] + [(last, hi,
+                                                                         stream.step_start)]
+    b_live: set[Any] = set()
+    for copy, start, end in ranges:
+        sizes = stream.sizes_at(micro[copy])
+        for i in range(start, end):
+            kind, key = stream.events[i]
+            if kind == ALLOC:
+                if lo <= i < hi:
+                    b_live.add(name(i, copy))
+                yield 0, kind, name(i, copy), sizes[i]
+                continue
+            j = born.get(key, -1)
+            in_b, born_in_b = lo <= i < hi, lo <= j < hi
+            if in_b and not born_in_b:  # the micro batch before left it
+                twin = i if copy == 1 else b_pairs.get(i, -1)
+                if twin < 0:
+                    continue
+                target = name(j, 0) if copy == 1 else name(twin, copy - 1)
+            else:
+                target = name(j, copy if in_b else last) if born_in_b else key
+            b_live.discard(target)
+            yield 0, FREE, target, 0
+    for left in b_live:  # what earlier copies left and nothing freed
+        if left[1] != last:
+            yield 0, FREE, left, 0
+    names.update({stream.events[i][1]: name(i, last) for i in range(lo, hi)
+                  if stream.events[i][0] == ALLOC})
 
 
 def _segments(stream: ScaledStream, st: _Step) -> list[tuple[int, tuple[int, int]]]:

@@ -48,6 +48,8 @@ class ScaledStream:
     # (first event of the second micro batch, first event of the optimizer) in the
     # repeated step, where the trace ran two micro batches (gradient accumulation)
     micro: tuple[int, int] | None = None
+    # the same two events in the first step (before step_start), where it has them
+    first_micro: tuple[int, int] | None = None
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
     _rows: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -168,7 +170,9 @@ def canonical(events: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
 
 def fit_stream(traces: dict[int, list[tuple[str, int, int]]],
                step_bounds: dict[int, tuple[int, int]],
-               micro_bounds: dict[int, tuple[int, int] | None] | None = None) -> ScaledStream:
+               micro_bounds: dict[int, tuple[int, int] | None] | None = None,
+               first_micro_bounds: dict[int, tuple[int, int] | None] | None = None,
+               ) -> ScaledStream:
     """One ScaledStream from the streams traced at each length.
 
     ``step_bounds[length]``: (first, one past last) event of the repeated step in
@@ -187,8 +191,8 @@ def fit_stream(traces: dict[int, list[tuple[str, int, int]]],
             raise StreamMismatch(
                 f"the traces at {lengths[0]} and {L} tokens run different events "
                 f"({len(first)} vs {len(other)}): the ops depend on the length")
-        if step_bounds[L] != step_bounds[lengths[0]] or (
-                micro_bounds and micro_bounds[L] != micro_bounds[lengths[0]]):
+        if step_bounds[L] != step_bounds[lengths[0]] or any(
+                b and b[L] != b[lengths[0]] for b in (micro_bounds, first_micro_bounds)):
             raise StreamMismatch(f"the step starts at different events at {lengths[0]} "
                                  f"and {L} tokens")
     sizes = tuple(
@@ -196,8 +200,9 @@ def fit_stream(traces: dict[int, list[tuple[str, int, int]]],
         for i, (kind, _, _) in enumerate(first))
     start, end = step_bounds[lengths[0]]
     micro = micro_bounds[lengths[0]] if micro_bounds else None
+    first_micro = first_micro_bounds[lengths[0]] if first_micro_bounds else None
     return ScaledStream(lengths, tuple((k, key) for k, key, _ in first), sizes, start, end,
-                        micro)
+                        micro, first_micro)
 
 
 __all__ = ["FREE", "ScaledStream", "StreamMismatch", "canonical", "fit_stream"]

@@ -44,15 +44,18 @@ def step_bounds(stream: Stream) -> tuple[int, int]:
     return start, end
 
 
-def micro_bounds(stream: Stream, start: int, end: int) -> tuple[int, int] | None:
-    """(first event of the second micro batch, first of the optimizer) in the second
-    step, where the trace ran two micro batches (gradient accumulation)."""
-    forwards = [p for p, (name, it) in enumerate(stream.phases) if name == "forward" and it == 1]
+def micro_bounds(stream: Stream, start: int, end: int,
+                 iteration: int = 1) -> tuple[int, int] | None:
+    """(first event of the second micro batch, first of the optimizer) in optimizer step
+    ``iteration`` (the events [start, end)), where the trace ran two micro batches
+    (gradient accumulation)."""
+    forwards = [p for p, (name, it) in enumerate(stream.phases)
+                if name == "forward" and it == iteration]
     if len(forwards) < 2:
         return None
     mb2 = next((i for i in range(start, end) if stream.event_phase[i] == forwards[1]), None)
     opt = next((i for i in range(start, end)
-                if stream.phases[stream.event_phase[i]] == ("optimizer", 1)), None)
+                if stream.phases[stream.event_phase[i]] == ("optimizer", iteration)), None)
     return None if mb2 is None or opt is None else (mb2, opt)
 
 
@@ -71,10 +74,12 @@ def allocator_events(stream: Stream) -> tuple[list[tuple[str, int, int]], tuple[
     return [stream.events[i] for i in kept[:new_end]], (index(start), new_end)
 
 
-def allocator_micro_bounds(stream: Stream) -> tuple[int, int] | None:
-    """micro_bounds among the events the allocator sees (allocator_events)."""
+def allocator_micro_bounds(stream: Stream, iteration: int = 1) -> tuple[int, int] | None:
+    """micro_bounds among the events the allocator sees (allocator_events): of the
+    repeated step (``iteration`` 1), or of the first step (0), which runs before it."""
     start, end = step_bounds(stream)
-    bounds = micro_bounds(stream, start, end)
+    bounds = (micro_bounds(stream, start, end) if iteration else
+              micro_bounds(stream, 0, start, iteration=0))
     if bounds is None:
         return None
     kept = [i for i, (_, key, _) in enumerate(stream.events) if stream.category[key] != PAGED]
@@ -102,6 +107,7 @@ def scaled_step_stream(cfg: RunConfig, longest: int, cluster: Cluster | None = N
         streams: dict[int, list] = {}
         bounds: dict[int, tuple[int, int]] = {}
         micro: dict[int, tuple[int, int] | None] = {}
+        first_micro: dict[int, tuple[int, int] | None] = {}
         for length in lengths:
             run_cfg = cfg.model_copy(update={"seq_len": length})
             try:
@@ -114,8 +120,9 @@ def scaled_step_stream(cfg: RunConfig, longest: int, cluster: Cluster | None = N
             assert stats.stream is not None
             streams[length], bounds[length] = allocator_events(stats.stream)
             micro[length] = allocator_micro_bounds(stats.stream)
+            first_micro[length] = allocator_micro_bounds(stats.stream, iteration=0)
         try:
-            return fit_stream(streams, bounds, micro)
+            return fit_stream(streams, bounds, micro, first_micro)
         except StreamMismatch as err:
             if attempt:  # short lengths run other kernels: the closer lengths failed too
                 raise ConfigError(
