@@ -48,7 +48,8 @@ def test_lora_by_hand():
     persistent = 404096 + 14336 + 28672 + CUBLAS
     assert est.peak_allocated_bytes == persistent + 264704 + 768000
     assert est.peak_reserved_bytes == est.peak_allocated_bytes + 64 * MiB  # reserve floor
-    assert est.device_peak_bytes == est.peak_reserved_bytes + 500 * MiB  # CUDA context
+    # CUDA context and the kernel images the step loads
+    assert est.device_peak_bytes == est.peak_reserved_bytes + 500 * MiB + 234 * MiB
 
 
 def test_qlora_by_hand():

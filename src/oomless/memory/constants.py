@@ -42,6 +42,14 @@ LSE_BYTES = 4
 # CUDA_MODULE_LOADING=LAZY): commonly measured 300–600 MiB on A100/H100 with
 # PyTorch 2.x. We take 500 MiB; `oomless measure` reports the real figure.
 CUDA_CONTEXT_BYTES = 500 * MiB
+# Device memory the CUDA libraries take outside PyTorch's allocator once a training step
+# has run: kernel images loaded on first use (lazy loading) and the cuBLAS/cuBLASLt
+# handles' own state. Measured as NVML's process memory at the peak minus
+# max_memory_reserved minus the context measured before the model existed: 234 MiB on 7
+# of 8 training configurations, 218 MiB on the eighth (NVIDIA H200, driver 580, CUDA 13.0,
+# PyTorch 2.11; benchmarks/results/gpu_validate.json). One platform: other GPUs and CUDA
+# releases load other kernel images.
+CUDA_KERNELS_LOADED_BYTES = 234 * MiB
 # cuBLAS/cuBLASLt workspaces are allocated through the caching allocator
 # (aten/src/ATen/cuda/CublasHandlePool.cpp): default CUBLAS_WORKSPACE_CONFIG
 # :4096:8 = 32 MiB on Hopper (sm90), :4096:2:16:8 ≈ 8.1 MiB before it, per

@@ -11,8 +11,8 @@ from .band import band_assumption, band_bytes
 
 
 def non_pytorch_bytes(cluster: Cluster | None, world_size: int) -> dict[str, int]:
-    """Memory the card holds outside PyTorch's caching allocator."""
-    out = {"cuda_context": C.CUDA_CONTEXT_BYTES}
+    """Memory the card holds outside PyTorch's caching allocator in training."""
+    out = {"cuda_context": C.CUDA_CONTEXT_BYTES, "cuda_kernels": C.CUDA_KERNELS_LOADED_BYTES}
     if world_size > 1:
         out["nccl"] = C.NCCL_BYTES
     return out
@@ -57,7 +57,9 @@ def finish_estimate(*, spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None,
         f"transient block and {C.ALLOC_RESERVE_FRACTION:.0%} of the non-persistent peak, at "
         "least 64 MiB, calibrated on the trace's allocator simulation (`oomless trace` "
         "replays the real stream)",
-        "CUDA context 500 MiB (lazy loading); NCCL 300 MiB per GPU when world size > 1; "
+        "CUDA context 500 MiB (lazy loading), and 234 MiB of kernel images and library "
+        "handles loaded by the first step (measured on one platform: H200, CUDA 13.0); "
+        "NCCL 300 MiB per GPU when world size > 1; "
         "cuBLAS/cuBLASLt workspaces inside PyTorch's allocator",
         band_assumption(),
     ] + (cluster.gpu.assumptions if cluster else [])
