@@ -30,12 +30,17 @@ Modelled through named mechanisms only:
 What stays unexplained (the strict xfails below): a trace of the stand-in with all these
 mechanisms at full size (63 tower layers of 6,401 patches, 40 language layers of 2,627
 positions; tests/runtime/glm4v_shell.py) allocates 54.7 GiB at batch 1, as the estimate
-does (54.6 GiB), and its caching-allocator replay reserves 58.5 GiB (the eager
-attention's score blocks stay cached when the loss asks for larger ones): 59.0 GiB on
-the card, 63.4 GB, 15.5% under the README's 75 GB (the estimate: 56.5 GiB, 19% under).
-At batch 2 the trace allocates 84.7 GiB (the estimate 84.7) and reserves 89.9 GiB: above
-the 79.25 GiB card, but the band's lower bound (÷1.157) stays under it, so the verdict is
-TIGHT (exit 1), not OUT OF MEMORY. Checked and excluded: evaluation and generation
+does (54.6 GiB), and its caching-allocator replay over two steps reserves 60.0 GiB (the
+eager attention's score blocks stay cached when the loss asks for larger ones). The same
+stand-in run on a GPU (NVIDIA H200, 2026-11-26; benchmarks/results/gpu_runs.md) allocated
+54.70 GiB and reserved 60.26 GiB: the trace and the allocator model are right about the
+stand-in, so what separates it from the README's 75 GB (about 61 GiB on the card, 65.5 GB,
+13% under) is in GLM-4V's own code, which is not at hand. The analytic estimate's
+allocator reserve (a share of the largest transient block) is smaller than the replay's:
+56.5 GiB on the card, 19% under. At batch 2 the stand-in allocated 84.68 GiB and reserved
+92.93 GiB on the GPU (the replay: 92.88), above the 79.25 GiB an A100-80GB leaves PyTorch;
+the estimate says 88.5 GiB, but the band's lower bound (÷1.157) stays under the card, so
+the verdict is TIGHT (exit 1), not OUT OF MEMORY. Checked and excluded: evaluation and generation
 (eval batch 4: prefill of 4 × ~2,100 positions with eager attention, about 34 GiB; the
 Seq2SeqTrainer empties the cache after every step and prediction), the attention mask
 (a bool (b, 1, s, s) per layer, or get_masks' fp32 (b, s, s) only with padding), the
