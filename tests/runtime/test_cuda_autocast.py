@@ -82,6 +82,9 @@ ENTRY_POINTS = {  # entry point → dtype under CPU autocast with CUDA's policie
     "Tensor.cumsum": (lambda: X.cumsum(0), torch.float32),
     "Tensor.norm": (lambda: X.norm(), torch.float32),
     "torch.norm(dim)": (lambda: torch.norm(X, dim=-1), torch.float32),
+    "aten.norm.Scalar": (lambda: torch.ops.aten.norm.Scalar(X, 2), torch.float32),
+    "aten.norm.ScalarOpt_dim": (lambda: torch.ops.aten.norm.ScalarOpt_dim(X, 2, [1]),
+                                torch.float32),
     "int sum": (lambda: torch.arange(4).sum(), torch.int64),  # not eligible
     "mul": (lambda: X * 2, torch.bfloat16),  # not on the list
 }
@@ -136,3 +139,11 @@ def test_cpu_autocast_alone_keeps_gelu_new_in_16_bits():
     """What the trace saw before the emulation: the 120 MiB per phi-2 layer it missed."""
     assert _saved_sizes("gelu_new", True, emulate=False) == ([2, 2, 2, 2], 2)
     assert _saved_sizes("gelu_new", True, emulate=True) == ([2, 4, 4, 4], 4)
+
+
+def test_nested_contexts_keep_the_kernels_until_the_outer_one_closes():
+    with cuda_autocast_policies():
+        with cuda_autocast_policies():
+            assert _has_autocast_cpu_kernel("pow.Tensor_Scalar")
+        assert _has_autocast_cpu_kernel("pow.Tensor_Scalar")
+    assert not _has_autocast_cpu_kernel("pow.Tensor_Scalar")

@@ -159,9 +159,10 @@ _APPEND_DTYPE_TARGET = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": 
 
 
 def aten_overload(name: str) -> Any:
-    """``torch.ops.aten`` overload of a table row ("pow.Tensor_Scalar", "exp")."""
+    """``torch.ops.aten`` overload of a table row ("pow.Tensor_Scalar", "exp"); None where
+    this torch has no such op (an older release: its CUDA list lacks it too)."""
     op, _, overload = name.partition(".")
-    return getattr(getattr(torch.ops.aten, op), overload or "default")
+    return getattr(getattr(torch.ops.aten, op, None), overload or "default", None)
 
 
 def _eligible(t: Any) -> bool:
@@ -174,6 +175,17 @@ def _to_fp32(arg: Any) -> Any:
     if isinstance(arg, (list, tuple)):
         return type(arg)(_to_fp32(a) for a in arg)
     return arg.to(torch.float32) if _eligible(arg) and arg.dtype != torch.float32 else arg
+
+
+def _named(op: Any, args: tuple, kwargs: dict) -> dict:
+    """All of ``op``'s arguments by name: the dispatcher leaves out trailing defaults."""
+    named = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args):
+            named[a.name] = args[i]
+        elif a.name in kwargs or a.has_default_value():
+            named[a.name] = kwargs.get(a.name, a.default_value)
+    return named
 
 
 def _autocast_kernel(name: str, policy: str) -> Any:
@@ -189,7 +201,7 @@ def _autocast_kernel(name: str, policy: str) -> Any:
                 return op(*_to_fp32(args), **{k: _to_fp32(v) for k, v in kwargs.items()})
             if policy == "fp32_append_dtype":  # type_from_firstarg(at::kFloat, args)
                 dtype = torch.float32 if _eligible(args[0]) else args[0].dtype
-                return target(*args, **kwargs, dtype=dtype)
+                return target(**_named(op, args, kwargs), dtype=dtype)
             if _eligible(args[0]):  # firstarg_is_eligible: set_opt_dtype(at::kFloat, ...)
                 if dtype_at is not None and dtype_at < len(args):
                     if args[dtype_at] is None:
@@ -208,13 +220,22 @@ def cuda_autocast_policies() -> Any:
     are recorded and saved for backward as on CUDA), for every entry point (torch.X,
     Tensor.X, ``**``, torch.nn.functional) and the calls inside composite ops. Only while
     the context is open, and only where CPU autocast is on (the key is skipped otherwise)."""
+    if _POLICIES_OPEN:  # nested (a trace inside a trace): the outer kernels stand
+        yield
+        return
     lib = torch.library.Library("aten", "IMPL")
+    _POLICIES_OPEN.append(lib)
     try:
         for name, policy in CUDA_AUTOCAST_OPS.items():
-            lib.impl(name, _autocast_kernel(name, policy), "AutocastCPU")
+            if aten_overload(name) is not None:
+                lib.impl(name, _autocast_kernel(name, policy), "AutocastCPU")
         yield
     finally:
+        _POLICIES_OPEN.pop()
         lib._destroy()
+
+
+_POLICIES_OPEN: list[Any] = []
 
 
 @contextlib.contextmanager
