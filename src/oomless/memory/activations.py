@@ -41,14 +41,50 @@ class LayerPlan:
     attn: str  # eager | sdpa | flash
 
 
-# Activations written as Python formulas keep their intermediates: HF
-# NewGELUActivation (gelu_new, GPT-2/Phi) = 0.5·x·(1 + tanh(√(2/π)(x + 0.044715x³)))
-# keeps x (pow), tanh's output, 1 + tanh and 0.5·x: three tensors more than a
-# fused GELU/SiLU kernel (transformers/activations.py).
-ACT_EXTRA_SAVED = {"gelu_new": 3, "gelu_fast": 3, "gelu_accurate": 3,
-                   # QuickGELUActivation (CLIP, Qwen2-VL towers): x · sigmoid(1.702·x) keeps the
-                   # sigmoid's output as well
-                   "quick_gelu": 1}
+# What an activation saves for backward, one entry per tensor: "in" a tensor of the
+# MLP's dtype, "fp32@autocast" one that is fp32 under autocast. A fused kernel (SiLU,
+# GELU, gelu_pytorch_tanh) keeps its input. The Python formulas of transformers/
+# activations.py keep their intermediates (derivatives.yaml: pow keeps its input, tanh and
+# sigmoid their output, a product both operands, a product or sum with a Python number
+# nothing). NewGELUActivation (gelu_new, GPT-2/Phi; AccurateGELUActivation, GELUTanh's
+# Python path alike) = 0.5·x·(1 + tanh(√(2/π)(x + 0.044715·pow(x, 3)))) keeps x (pow),
+# tanh's output, 1 + tanh and 0.5·x. Under CUDA autocast pow is on the fp32 list
+# (aten/src/ATen/autocast_mode.h AT_FORALL_FP32): pow keeps an fp32 copy of x, and the
+# fp32 result promotes tanh's output, 1 + tanh and the activation's output to fp32;
+# 0.5·x stays 16-bit. FastGELUActivation = 0.5·x·(1 + tanh(x·0.7978845608·(1 + 0.044715·x·x)))
+# has no pow: it keeps x, 0.044715·x, x·0.7978845608, 1 + 0.044715·x², tanh's output,
+# 1 + tanh and 0.5·x, all 16-bit. QuickGELUActivation (CLIP, Qwen2-VL towers)
+# x·sigmoid(1.702·x) keeps x and the sigmoid's output. GELUActivation's Python path
+# (gelu_python) 0.5·x·(1 + erf(x/√2)) keeps x/√2, 0.5·x and 1 + erf (erf is not on the list).
+_GELU_TANH_POW = ("fp32@autocast", "fp32@autocast", "fp32@autocast", "in")
+ACT_SAVED: dict[str, tuple[str, ...]] = {
+    "gelu_new": _GELU_TANH_POW, "gelu_accurate": _GELU_TANH_POW,
+    "gelu_python_tanh": _GELU_TANH_POW, "gelu_fast": ("in",) * 7, "quick_gelu": ("in",) * 2,
+    "gelu_python": ("in",) * 3}
+FUSED_ACT_SAVED = ("in",)
+
+
+def act_saved_bytes(act: str, mlp_bytes: int, autocast: bool) -> tuple[list[int], int]:
+    """Element sizes of the tensors activation ``act`` keeps for backward, and of its
+    output (ACT_SAVED)."""
+    entries = ACT_SAVED.get(act, FUSED_ACT_SAVED)
+    up = autocast and "fp32@autocast" in entries
+    sizes = [4 if up and e == "fp32@autocast" else mlp_bytes for e in entries]
+    return sizes, 4 if up else mlp_bytes
+
+
+def act_assumption(act: str, autocast: bool) -> str | None:
+    """The activation's saved tensors, named in the estimate's assumptions (None: a
+    fused kernel keeping its input)."""
+    if act not in ACT_SAVED:
+        return None
+    sizes, out = act_saved_bytes(act, 2, autocast)
+    up = " (pow runs in fp32 under CUDA autocast: the fp32 result promotes the rest)" \
+        if out == 4 else ""
+    return (f"{act} is a Python formula (transformers/activations.py): it keeps "
+            f"{len(sizes)} tensors for backward, {sizes.count(4)} of them fp32{up}")
+
+
 # Towers without rotary embeddings: q, k and v are views of one fused projection's output.
 # With rotary embeddings (decoders, Qwen2-VL's tower) q and k are rotated copies and v
 # stays a view of the fused output, which keeps all of it alive.
@@ -183,17 +219,16 @@ def _mlp(saved: _Saved, spec: ModelSpec, tokens: int, width: int, dt: Dtypes,
         first = ["gate_proj", "up_proj"]
     for name in first:
         _linear_input(saved, name, src, tokens, h, dt, plan, src_bytes)
+    act_sizes, out_bytes = act_saved_bytes(spec.hidden_act, a, dt.autocast)
+    for i, size in enumerate(act_sizes):  # what the activation keeps (its input, or more)
+        saved.add(f"{role}.act{i}", size * tokens * width)
     if spec.mlp_gated:
-        saved.add(f"{role}.gate_out", a * tokens * width)  # kept by the activation
-        saved.add(f"{role}.act_out", a * tokens * width)  # kept by the product
+        saved.add(f"{role}.act_out", out_bytes * tokens * width)  # kept by the product
         saved.add(f"{role}.up_out", a * tokens * width)  # kept by the product
-    else:
-        saved.add(f"{role}.up_out", a * tokens * width)  # kept by the activation
-        for i in range(ACT_EXTRA_SAVED.get(spec.hidden_act, 0)):
-            saved.add(f"{role}.act_tmp{i}", a * tokens * width)
     # down's input (the product, or the activation output) is kept only for
     # down's own weight gradient or its LoRA branch.
-    _linear_input(saved, "down_proj", f"{role}.prod", tokens, width, dt, plan, a)
+    _linear_input(saved, "down_proj", f"{role}.prod", tokens, width, dt, plan,
+                  max(out_bytes, a))
 
 
 def layer_activation_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: LayerPlan,

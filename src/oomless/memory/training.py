@@ -17,6 +17,7 @@ from ..result import MemoryEstimate
 from . import constants as C
 from .activations import (
     LayerPlan,
+    act_assumption,
     compiled_assumption,
     compiled_layer_bytes,
     layer_activation_bytes,
@@ -367,6 +368,7 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     if cfg.method != "full" and dt.trainable_bytes == 4 and dt.act_bytes == 2:
         out.append("LoRA adapters in fp32 (PEFT autocast_adapter_dtype) " +
                    ("under bf16/fp16 autocast" if dt.autocast else "on the 16-bit model"))
+    out += [a for a in [act_assumption(spec.hidden_act, dt.autocast)] if a]
     out += quantization_assumptions(spec, cfg)
     out += vision_assumptions(spec, cfg)
     if spec.is_moe:

@@ -25,8 +25,8 @@ kept, for workspaces), with the sizes the CUDA code uses:
   heuristics vary by GPU; we take the fallback, which needs more), plus fp32
   absmax buffers for double quantization.
 
-``cuda_autocast_layer_norm`` makes LayerNorm compute in fp32 under autocast, as
-CUDA autocast does and CPU autocast does not; ``cuda_dropout`` makes training
+``cuda_autocast_policies`` runs the ops CUDA autocast puts in fp32 (pow, exp, LayerNorm,
+softmax and sum without a dtype, ...) as CUDA does where CPU autocast does not; ``cuda_dropout`` makes training
 dropout the fused ``native_dropout`` kernel CUDA runs (a boolean mask kept for
 backward; the CPU path multiplies by a mask of the input's dtype).
 """
@@ -122,31 +122,120 @@ class CudaEmulation:
         return keys
 
 
+# CUDA autocast's cast policies (PyTorch aten/src/ATen/autocast_mode.h: AT_FORALL_FP32,
+# AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE; registered for
+# CUDA by TORCH_LIBRARY_IMPL(aten, Autocast, m) in autocast_mode.cpp), less the ops CPU
+# autocast already runs in fp32 (CPU_AUTOCAST_FP32_OPS): the ops a trace, which runs under
+# CPU autocast, must run as CUDA does. "fp32": floating 16-bit tensor arguments are cast
+# to fp32 and the op runs with autocast off; "fp32_set_opt_dtype": when the first argument
+# is an eligible floating tensor and no dtype is passed, the op runs with dtype=float32;
+# "fp32_append_dtype": norm runs as its dtype overload with dtype=float32.
+CUDA_AUTOCAST_OPS: dict[str, str] = {
+    **{op: "fp32" for op in (
+        "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+        "reciprocal", "rsqrt", "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
+        "pow.Scalar", "softplus", "layer_norm", "native_layer_norm", "rms_norm", "group_norm",
+        "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim", "cosine_similarity",
+        "dist", "pdist", "renorm", "logsumexp",
+        "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d",
+        "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d",
+        "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
+        "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa")},
+    **{op: "fp32_set_opt_dtype" for op in (
+        "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
+        "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList")},
+    "norm.Scalar": "fp32_append_dtype",
+    "norm.ScalarOpt_dim": "fp32_append_dtype",
+}
+# In CUDA's lists and already fp32 under CPU autocast (TORCH_LIBRARY_IMPL(aten,
+# AutocastCPU, m) in autocast_mode.cpp): the trace runs them as CUDA does without help.
+CPU_AUTOCAST_FP32_OPS = frozenset({
+    "prod", "prod.dim_int", "cdist", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss",
+    "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss",
+    "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
+    "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "binary_cross_entropy_with_logits"})
+_APPEND_DTYPE_TARGET = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype"}
+
+
+def aten_overload(name: str) -> Any:
+    """``torch.ops.aten`` overload of a table row ("pow.Tensor_Scalar", "exp"); None where
+    this torch has no such op (an older release: its CUDA list lacks it too)."""
+    op, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, op, None), overload or "default", None)
+
+
+def _eligible(t: Any) -> bool:
+    """autocast_mode.h is_eligible: a floating tensor on the device, not double."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 \
+        and t.device.type == "cpu"
+
+
+def _to_fp32(arg: Any) -> Any:
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_to_fp32(a) for a in arg)
+    return arg.to(torch.float32) if _eligible(arg) and arg.dtype != torch.float32 else arg
+
+
+def _named(op: Any, args: tuple, kwargs: dict) -> dict:
+    """All of ``op``'s arguments by name: the dispatcher leaves out trailing defaults."""
+    named = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args):
+            named[a.name] = args[i]
+        elif a.name in kwargs or a.has_default_value():
+            named[a.name] = kwargs.get(a.name, a.default_value)
+    return named
+
+
+def _autocast_kernel(name: str, policy: str) -> Any:
+    op = aten_overload(name)
+    target = getattr(torch.ops.aten.norm, _APPEND_DTYPE_TARGET[name]) \
+        if policy == "fp32_append_dtype" else None
+    dtype_at = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
+    no_autocast = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(no_autocast):
+            if policy == "fp32":  # cached_cast(at::kFloat, args)...
+                return op(*_to_fp32(args), **{k: _to_fp32(v) for k, v in kwargs.items()})
+            if policy == "fp32_append_dtype":  # type_from_firstarg(at::kFloat, args)
+                dtype = torch.float32 if _eligible(args[0]) else args[0].dtype
+                return target(**_named(op, args, kwargs), dtype=dtype)
+            if _eligible(args[0]):  # firstarg_is_eligible: set_opt_dtype(at::kFloat, ...)
+                if dtype_at is not None and dtype_at < len(args):
+                    if args[dtype_at] is None:
+                        args = (*args[:dtype_at], torch.float32, *args[dtype_at + 1:])
+                elif kwargs.get("dtype") is None:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            return op(*args, **kwargs)
+
+    return kernel
+
+
 @contextlib.contextmanager
-def cuda_autocast_layer_norm() -> Any:
-    """CUDA autocast runs ``layer_norm`` in fp32 (its fp32 op list): 16-bit inputs and
-    weights are cast up and the output is fp32. CPU autocast, which a trace runs
-    under, leaves it in 16 bits; inside the trace ``F.layer_norm`` does what CUDA does."""
-    import torch.nn.functional as F
-
-    original = F.layer_norm
-
-    def layer_norm(input: torch.Tensor, normalized_shape: Any, weight: Any = None,
-                   bias: Any = None, eps: float = 1e-5) -> torch.Tensor:
-        device = input.device.type
-        if input.dtype in (torch.bfloat16, torch.float16) and torch.is_autocast_enabled(device):
-            def up(t: Any) -> Any:
-                return t.float() if t is not None else None
-
-            with torch.autocast(device, enabled=False):
-                return original(input.float(), normalized_shape, up(weight), up(bias), eps)
-        return original(input, normalized_shape, weight, bias, eps)
-
-    F.layer_norm = layer_norm
+def cuda_autocast_policies() -> Any:
+    """Run CUDA_AUTOCAST_OPS under CPU autocast as CUDA autocast runs them: kernels for the
+    AutocastCPU dispatch key, the key CUDA's policies sit on (above autograd, so the casts
+    are recorded and saved for backward as on CUDA), for every entry point (torch.X,
+    Tensor.X, ``**``, torch.nn.functional) and the calls inside composite ops. Only while
+    the context is open, and only where CPU autocast is on (the key is skipped otherwise)."""
+    if _POLICIES_OPEN:  # nested (a trace inside a trace): the outer kernels stand
+        yield
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    _POLICIES_OPEN.append(lib)
     try:
+        for name, policy in CUDA_AUTOCAST_OPS.items():
+            if aten_overload(name) is not None:
+                lib.impl(name, _autocast_kernel(name, policy), "AutocastCPU")
         yield
     finally:
-        F.layer_norm = original
+        _POLICIES_OPEN.pop()
+        lib._destroy()
+
+
+_POLICIES_OPEN: list[Any] = []
 
 
 @contextlib.contextmanager

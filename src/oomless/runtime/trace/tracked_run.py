@@ -152,12 +152,12 @@ def _tracked_model(model: Any, cfg: RunConfig, batches: list[dict | None], num_l
 
 
 def _cuda_kernels(emulation: Any) -> contextlib.ExitStack:
-    """CUDA's LayerNorm under autocast and its dropout kernel, where CUDA is emulated."""
-    from .cuda_emulation import cuda_autocast_layer_norm, cuda_dropout
+    """CUDA autocast's fp32 ops and CUDA's dropout kernel, where CUDA is emulated."""
+    from .cuda_emulation import cuda_autocast_policies, cuda_dropout
 
     cuda = contextlib.ExitStack()
     if emulation is not None:
-        cuda.enter_context(cuda_autocast_layer_norm())
+        cuda.enter_context(cuda_autocast_policies())
         cuda.enter_context(cuda_dropout())
     return cuda
 
