@@ -1,6 +1,8 @@
 """TrainingArguments' own FSDP (``fsdp: "full_shard auto_wrap"``, ``fsdp_config``) is read by
-every reader of TrainingArguments-style inputs, never dropped: transformers
-TrainingArguments._process_fsdp_args / _apply_legacy_fsdp_to_config (5.23)."""
+every reader of TrainingArguments-style inputs, never dropped, as the transformers release
+runs it: TrainingArguments._process_fsdp_args (and 5.10.0 on, _apply_legacy_fsdp_to_config)
+of the released wheels 4.57.6, 5.0.0rc0-rc2, 5.0.0, 5.3.0-5.6.0, 5.9.0-5.11.0, 5.13.0, 5.23.0
+(common.TA_FSDP_RELEASES), and the installed transformers and accelerate themselves."""
 
 from __future__ import annotations
 

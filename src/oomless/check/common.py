@@ -131,14 +131,16 @@ STAGE_OF_FSDP_STRATEGY = {"full_shard": 3, "hybrid_shard": 3, "shard_grad_op": 2
 #   hands accelerate FSDP_* environment variables (the words' FSDP_SHARDING_STRATEGY, no
 #   version: FullyShardedDataParallelPlugin reads FSDP_VERSION, default 1); 5.0.0rc0 reads
 #   fsdp_config["fsdp_version"], a key its own "fsdp_" prefix strip has already renamed.
-# - 5.0.0rc1 (PR #42566 and its follow-up #42578) reads ``fsdp_config.get("version", 1)``
-#   and reshard_after_forward; the words still go as sharding_strategy, which accelerate's
-#   Accelerator.prepare_model prefers for FSDP1; FSDP2 ignores the words
-#   (reshard_after_forward default False).
-# - 5.4.0 passes the words only as reshard_after_forward's default (FSDP2: shard_grad_op
-#   False, every other word True); FSDP1 now gets no sharding_strategy, and accelerate's
-#   plugin defaults it to FSDP_SHARDING_STRATEGY or FULL_SHARD, which prepare_model prefers
-#   over reshard_after_forward: FSDP1 shards fully whatever the words say.
+# - 5.0.0rc1 reads ``fsdp_config.get("version", 1)`` and reshard_after_forward (merged in
+#   Dec 2025: PR #42578 "fix the FSDP1 default for reshard_after_forward", a follow-up to
+#   PR #42566, whose own text was not found); the words still go as sharding_strategy,
+#   which accelerate's Accelerator.prepare_model prefers for FSDP1; FSDP2 ignores the
+#   words (reshard_after_forward default False).
+# - 5.4.0 (its PR not found; 5.3.0's and 5.4.0's wheels differ) passes the words only as
+#   reshard_after_forward's default (FSDP2: shard_grad_op False, every other word True);
+#   FSDP1 gets no sharding_strategy, accelerate's plugin defaults it to
+#   FSDP_SHARDING_STRATEGY or FULL_SHARD, and prepare_model prefers that over
+#   reshard_after_forward: FSDP1 shards fully whatever the words say.
 # - 5.10.0 (PR #45640 "Default to FSDP2"; 5.10.0 itself was yanked, 5.10.1 is the first
 #   kept) reads ``fsdp_config.get("version", 2)`` and refuses FSDP1-only words
 #   (hybrid_shard, hybrid_shard_zero2, no_shard) with FSDP2 (_apply_legacy_fsdp_to_config).
