@@ -14,7 +14,7 @@ import yaml
 
 from oomless.api import estimate
 from oomless.check.checker import CheckOptions, check
-from oomless.check.common import training_args_fsdp
+from oomless.check.common import training_args_fsdp, transformers_release
 from oomless.check.readers_axolotl import AXOLOTL_FSDP_VERSION, axolotl_fsdp, parallel_notes
 from oomless.cli import main
 from oomless.config import RunConfig
@@ -94,7 +94,7 @@ def test_one_reading_for_axolotl_and_training_arguments():
     d = _yaml("qlora-fsdp-70b.yaml")
     handed = {"fsdp": d["fsdp"], "fsdp_config": {
         "version": 1, "cpu_offload": True, "use_orig_params": False}}
-    assert axolotl_fsdp(d, WHERE)[0] == training_args_fsdp(handed, WHERE, 5)[0]
+    assert axolotl_fsdp(d, WHERE)[0] == training_args_fsdp(handed, WHERE, transformers_release())[0]
 
 
 def _check(path, gpu, **extra):

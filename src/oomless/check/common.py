@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import RunConfig
@@ -122,29 +123,65 @@ def defaults_note(d: dict[str, Any], defaults: dict[str, Any], tool: str,
 # hybrid_shard_zero2) gradients and optimizer states only.
 STAGE_OF_FSDP_STRATEGY = {"full_shard": 3, "hybrid_shard": 3, "shard_grad_op": 2,
                   "hybrid_shard_zero2": 2, "no_shard": 0}
-# the FSDP version TrainingArguments runs when fsdp_config has no "version": 2 in
-# transformers 5.16.1 and 5.23 (``int(self.fsdp_config.get("version", 2))``); earlier
-# releases read ``get("version", 1)`` or handed accelerate no version (its default: FSDP1).
-# The release that switched is not pinned here: every 5.x is read as 2, every 4.x as 1.
-TA_FSDP_DEFAULT_VERSION = {4: 1, 5: 2}
+# How each range of transformers releases turns ``fsdp`` / ``fsdp_config`` into accelerate's
+# FullyShardedDataParallelPlugin, keyed by the first release (PyPI version) of each
+# behaviour; read from the released wheels' training_args.py (4.57.6, 5.0.0rc0-rc2, 5.0.0,
+# 5.3.0-5.6.0, 5.9.0-5.11.0, 5.13.0, 5.23.0) and accelerate 1.10/1.15's plugin:
+# - before 5.0.0rc1 fsdp_config's "version" and "reshard_after_forward" are not read: 4.57.6
+#   hands accelerate FSDP_* environment variables (the words' FSDP_SHARDING_STRATEGY, no
+#   version: FullyShardedDataParallelPlugin reads FSDP_VERSION, default 1); 5.0.0rc0 reads
+#   fsdp_config["fsdp_version"], a key its own "fsdp_" prefix strip has already renamed.
+# - 5.0.0rc1 reads ``fsdp_config.get("version", 1)`` and reshard_after_forward (merged in
+#   Dec 2025: PR #42578 "fix the FSDP1 default for reshard_after_forward", a follow-up to
+#   PR #42566, whose own text was not found); the words still go as sharding_strategy,
+#   which accelerate's Accelerator.prepare_model prefers for FSDP1; FSDP2 ignores the
+#   words (reshard_after_forward default False).
+# - 5.4.0 (its PR not found; 5.3.0's and 5.4.0's wheels differ) passes the words only as
+#   reshard_after_forward's default (FSDP2: shard_grad_op False, every other word True);
+#   FSDP1 gets no sharding_strategy, accelerate's plugin defaults it to
+#   FSDP_SHARDING_STRATEGY or FULL_SHARD, and prepare_model prefers that over
+#   reshard_after_forward: FSDP1 shards fully whatever the words say.
+# - 5.10.0 (PR #45640 "Default to FSDP2"; 5.10.0 itself was yanked, 5.10.1 is the first
+#   kept) reads ``fsdp_config.get("version", 2)`` and refuses FSDP1-only words
+#   (hybrid_shard, hybrid_shard_zero2, no_shard) with FSDP2 (_apply_legacy_fsdp_to_config).
+@dataclass(frozen=True)
+class TaFsdpRelease:
+    """One range of transformers releases, from ``since`` to the next row's."""
+
+    since: str  # the first release with this behaviour
+    reads_config: bool  # fsdp_config "version" and "reshard_after_forward" are read
+    default_version: int  # FSDP version without a read fsdp_config "version"
+    fsdp1_words: bool  # FSDP1 shards as the strategy word (else FULL_SHARD)
+    fsdp2_words: str  # FSDP2 reshard_after_forward from the words: ignored|not_grad_op|strict
 
 
-def transformers_major() -> int:
-    """The installed transformers' major release (5, the release the project pins, when
-    transformers is not installed)."""
-    from ..memory.stacks import installed_version
+TA_FSDP_RELEASES = (
+    TaFsdpRelease("0", False, 1, True, "ignored"),
+    TaFsdpRelease("5.0.0rc1", True, 1, True, "ignored"),
+    TaFsdpRelease("5.4.0", True, 1, False, "not_grad_op"),
+    TaFsdpRelease("5.10.0", True, 2, False, "strict"),
+)
 
-    return int((installed_version("transformers") or "5").split(".")[0])
+
+def ta_fsdp_release(transformers_version: str) -> TaFsdpRelease:
+    """The row of :data:`TA_FSDP_RELEASES` a transformers release falls in."""
+    from packaging.version import Version
+
+    v = Version(transformers_version)
+    return [row for row in TA_FSDP_RELEASES if v >= Version(row.since)][-1]
 
 
-def _ta_fsdp_stage(words: list[str], reshard: Any, version: int) -> tuple[int, str | None]:
-    """The ZeRO stage TrainingArguments' FSDP shards as, and a note when it can't tell.
-    ``fsdp_config.reshard_after_forward`` wins over the ``fsdp`` words (transformers
-    _apply_legacy_fsdp_to_config only ``setdefault``s it): FSDP2 reads a bool (True: full
+def transformers_release() -> str:
+    """The installed transformers' version (the project's pinned release when transformers
+    is not installed)."""
+    from ..memory.stacks import NEWEST_TRANSFORMERS, installed_version
+
+    return installed_version("transformers") or NEWEST_TRANSFORMERS
+
+
+def _reshard_stage(reshard: Any, version: int) -> tuple[int, str | None]:
+    """The ZeRO stage of fsdp_config.reshard_after_forward: FSDP2 reads a bool (True: full
     shard), FSDP1 a sharding strategy name (accelerate FullyShardedDataParallelPlugin)."""
-    strategies = [w.lower() for w in words if w.lower() in STAGE_OF_FSDP_STRATEGY]
-    if reshard is None:
-        return (STAGE_OF_FSDP_STRATEGY[strategies[0]] if strategies else 3), None
     text = str(reshard).lower()
     if version == 2 and text in ("true", "false", "1", "0"):
         return (3 if text in ("true", "1") else 2), None
@@ -156,10 +193,68 @@ def _ta_fsdp_stage(words: list[str], reshard: Any, version: int) -> tuple[int, s
                "fsdp_config.reshard_after_forward to settle it")
 
 
+def _ta_fsdp_stage(words: list[str], reshard: Any, version: int, release: str
+                   ) -> tuple[int, str | None]:
+    """The ZeRO stage TrainingArguments' FSDP shards as in transformers ``release``, and a
+    note on what it runs that the file does not say."""
+    row = ta_fsdp_release(release)
+    strategies = [w.lower() for w in words if w.lower() in STAGE_OF_FSDP_STRATEGY]
+    word = strategies[0] if strategies else None
+    read = reshard if row.reads_config else None
+    if version == 1 and read is not None and str(read).lower() not in STAGE_OF_FSDP_STRATEGY:
+        return _reshard_stage(read, version)  # accelerate refuses it
+    if version == 1:
+        strategy = word if row.fsdp1_words and word else "full_shard"
+        asked = read if read is not None else word
+        stage = STAGE_OF_FSDP_STRATEGY[strategy]
+        if STAGE_OF_FSDP_STRATEGY.get(str(asked).lower(), stage) == stage:
+            return stage, None
+        return stage, (f"FSDP1 in transformers {release} shards as {strategy}, not {asked}: "
+                       "accelerate's plugin sets sharding_strategy (from the fsdp words "
+                       + ("" if row.fsdp1_words else "before transformers 5.4, ")
+                       + "else FSDP_SHARDING_STRATEGY, else FULL_SHARD) and "
+                       "Accelerator.prepare_model prefers it over reshard_after_forward; "
+                       "FSDP2 (fsdp_config.version 2) takes reshard_after_forward")
+    if read is not None:
+        return _reshard_stage(read, version)
+    if row.fsdp2_words == "ignored":
+        return 2, (f"FSDP2 in transformers {release} takes its sharding from "
+                   "fsdp_config.reshard_after_forward alone, default false (parameters stay "
+                   "gathered after forward: ZeRO-2's sharding), not from the fsdp words; set "
+                   "reshard_after_forward true to shard fully")
+    if word in (None, "full_shard", "shard_grad_op"):
+        return STAGE_OF_FSDP_STRATEGY[word or "full_shard"], None
+    if row.fsdp2_words == "not_grad_op":
+        return 3, None if STAGE_OF_FSDP_STRATEGY[word] == 3 else (
+            f"FSDP2 in transformers {release} reshards after forward for every fsdp word but "
+            f"shard_grad_op: {word} shards as ZeRO-3")
+    return STAGE_OF_FSDP_STRATEGY[word], (
+        f"transformers {release} refuses fsdp {word} with FSDP2 (FSDP1 only: ValueError "
+        f"before training); read as FSDP1's {word}; set fsdp_config.version 1 or use "
+        "full_shard / shard_grad_op")
+
+
+def _ta_fsdp_version(conf: dict[str, Any], release: str) -> tuple[int, str]:
+    """The FSDP version transformers ``release`` runs for fsdp_config ``conf``, and what the
+    note says about it."""
+    row = ta_fsdp_release(release)
+    named = conf.get("version")
+    if named and (row.reads_config or int(named) == row.default_version):
+        return int(named), ""
+    if not named:
+        return row.default_version, (f"; fsdp_config has no version: transformers {release} "
+                                     f"runs FSDP{row.default_version}")
+    return row.default_version, (
+        f"; transformers {release} does not read fsdp_config.version {named} (read from "
+        f"{next(r.since for r in TA_FSDP_RELEASES if r.reads_config)} on): FSDP{row.default_version} unless the launcher's "
+        "accelerate config sets fsdp_version; can't tell, give that config to settle it")
+
+
 def training_args_fsdp(d: dict[str, Any], where: Callable[[str], str],
-                       transformers_major: int) -> tuple[dict[str, Any], list[str]] | None:
+                       transformers_version: str) -> tuple[dict[str, Any], list[str]] | None:
     """(the run keys — zero, offload, fsdp, and grad_ckpt when FSDP checkpoints — and
-    notes) of TrainingArguments' ``fsdp`` / ``fsdp_config`` keys, or None when the file
+    notes) of TrainingArguments' ``fsdp`` / ``fsdp_config`` keys as transformers
+    ``transformers_version`` runs them (:data:`TA_FSDP_RELEASES`), or None when the file
     does not use FSDP. ``fsdp: true`` (as axolotl passes it) names no strategy: the
     sharding is ``fsdp_config``'s."""
     fsdp = d.get("fsdp")
@@ -174,8 +269,9 @@ def training_args_fsdp(d: dict[str, Any], where: Callable[[str], str],
                      "and version take their defaults")
         conf = {}
     conf = {k[5:] if k.startswith("fsdp_") else k: v for k, v in conf.items()}
-    version = int(conf.get("version") or TA_FSDP_DEFAULT_VERSION.get(transformers_major, 2))
-    stage, unsure = _ta_fsdp_stage(words, conf.get("reshard_after_forward"), version)
+    version, version_note = _ta_fsdp_version(conf, transformers_version)
+    stage, unsure = _ta_fsdp_stage(words, conf.get("reshard_after_forward"), version,
+                                   transformers_version)
     offload = "all" if stage == 3 and ("offload" in words or conf.get("cpu_offload")) else "none"
     section: dict[str, Any] = {"version": version}
     if version == 1:
@@ -188,9 +284,7 @@ def training_args_fsdp(d: dict[str, Any], where: Callable[[str], str],
     named = " ".join(words) or "from fsdp_config"
     notes.append(f"{where('fsdp')}: FSDP{version} {named} ({how}"
                  + (", parameters offloaded to CPU" if offload != "none" else "")
-                 + ("" if conf.get("version") else
-                    f"; fsdp_config has no version: transformers {transformers_major} runs "
-                    f"FSDP{version}") + ")")
+                 + version_note + ")")
     if unsure:
         notes.append(f"{where('fsdp_config')}: {unsure}")
     run: dict[str, Any] = {"zero": stage, "offload": offload, "fsdp": section}

@@ -25,7 +25,7 @@ from .common import (
     optimizer,
     pre_quantized_note,
     training_args_fsdp,
-    transformers_major,
+    transformers_release,
 )
 from .dsfiles import AXOLOTL_DEEPSPEED, deepspeed_ref, deepspeed_source
 from .sources import Reading, Source, check_keys, knob_set
@@ -116,7 +116,7 @@ def axolotl_fsdp(d: dict[str, Any], where: Callable[[str], str]
         kept["version"] = version
     at = where if d.get("fsdp") else (lambda key: where("fsdp_config" if key == "fsdp" else key))
     run, notes = training_args_fsdp({"fsdp": d.get("fsdp") or True, "fsdp_config": kept},
-                                    at, transformers_major()) or ({}, [])
+                                    at, transformers_release()) or ({}, [])
     if given and not raw:
         notes.append(f"{where('fsdp_config')}: fsdp_config is not a mapping: can't tell FSDP's "
                      "settings, read with TrainingArguments' defaults")

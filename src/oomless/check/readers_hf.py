@@ -25,7 +25,7 @@ from .common import (
     optimizer,
     precision,
     training_args_fsdp,
-    transformers_major,
+    transformers_release,
 )
 from .dsfiles import (
     LLAVA_DEEPSPEED,
@@ -105,7 +105,7 @@ def read_hf_deepspeed(ta_src: Source | None, ds_src: Source | None, model: str |
         "grad_ckpt": bool(ta.get(grad_ckpt_key(ta))), "zero": zero, "offload": offload,
         "eval": hf_eval(ta, micro, None),
     }
-    sharded = training_args_fsdp(ta, ta_src.where, transformers_major()) \
+    sharded = training_args_fsdp(ta, ta_src.where, transformers_release()) \
         if ta_src and not ds_src else None
     if sharded:
         r.run.update(sharded[0])
@@ -245,7 +245,7 @@ def read_launch(src: Source, model: str | None) -> Reading:
     if a.get("deepspeed"):
         _s, (run["zero"], run["offload"]) = deepspeed_source(str(a["deepspeed"]), src.path,
                                                              shipped, r)
-    elif (sharded := training_args_fsdp(a, src.where, transformers_major())):
+    elif (sharded := training_args_fsdp(a, src.where, transformers_release())):
         run.update(sharded[0])
         r.assumptions.extend(sharded[1])
     if a.get("moe_enable"):

@@ -25,7 +25,7 @@ from .common import (
     pre_quantized_note,
     precision,
     training_args_fsdp,
-    transformers_major,
+    transformers_release,
 )
 from .dsfiles import LF_DEEPSPEED, deepspeed_ref, deepspeed_source
 from .sources import Reading, Source, check_keys
@@ -122,7 +122,7 @@ def read_lf_dict(d: dict[str, Any], where: Callable[[str], str], src: Source, mo
     if d.get("deepspeed"):
         _s, (run["zero"], run["offload"]) = deepspeed_source(str(d["deepspeed"]), src.path,
                                                              LF_DEEPSPEED, r)
-    elif (sharded := training_args_fsdp(d, where, transformers_major())):
+    elif (sharded := training_args_fsdp(d, where, transformers_release())):
         run.update(sharded[0])
         r.assumptions.extend(sharded[1])
         r.fixed.add("zero")  # a fix never adds a DeepSpeed file next to the file's FSDP

@@ -31,7 +31,7 @@ from .common import (
     optimizer,
     precision,
     training_args_fsdp,
-    transformers_major,
+    transformers_release,
 )
 from .sources import Reading, Source, check_keys, knob_set
 
@@ -143,7 +143,7 @@ def read_trl(src: Source, model: str | None) -> Reading:
     defaults, notes = trl_defaults(d, trl_version())
     run.update(defaults)
     r.notes.extend(notes)
-    sharded = training_args_fsdp(d, src.where, transformers_major())
+    sharded = training_args_fsdp(d, src.where, transformers_release())
     if sharded:
         run.update(sharded[0])
         r.assumptions.extend(sharded[1])

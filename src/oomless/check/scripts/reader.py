@@ -26,7 +26,7 @@ from ..common import (
     optimizer,
     pre_quantized_note,
     training_args_fsdp,
-    transformers_major,
+    transformers_release,
 )
 from ..readers_hf import launch_edits as llava_edits
 from ..readers_hf import read_launch as read_llava
@@ -174,7 +174,7 @@ def read_by_meaning(src: Source, model: str | None, json_tool: str | None = None
     s = F.settings(a, tool)
     run = _run(s, tool, src, model, r)
     r.run = run
-    sharded = None if run.get("zero") else training_args_fsdp(a, src.where, transformers_major())
+    sharded = None if run.get("zero") else training_args_fsdp(a, src.where, transformers_release())
     if sharded:  # TrainingArguments' own --fsdp (Stanford Alpaca's "full_shard auto_wrap")
         run.update(sharded[0])
         r.assumptions.extend(sharded[1])
