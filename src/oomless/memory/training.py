@@ -267,12 +267,11 @@ def _forward_peak(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, step: _MicroStep,
                    "temporaries": forward_transient_bytes(spec, cfg, dt, t)},
                   # a frozen vision tower's forward runs before the language model's
                   {**before, "vision_forward": tower_forward_bytes(spec, cfg, dt)}]
-    ref_rows = reference_rows(cfg, step.plan)
-    if ref_rows:  # the reference's no-grad forward, after the policy's, on the same rows
-        candidates.append({
-            **before, "activations": acts, "logits": step.head["saved"],
-            "reference_forward": eval_forward_bytes(spec, dt, ref_rows, s, cfg.attn)
-            + reference_head_bytes(spec, cfg, dt, step.plan, ref_rows, s)})
+    rows = reference_rows(cfg, step.plan)
+    if rows:  # the reference's no-grad forward, after the policy's, on the same rows
+        candidates.append({**before, "activations": acts, "logits": step.head["saved"],
+                           "reference_forward": eval_forward_bytes(spec, dt, rows, s, cfg.attn)
+                           + reference_head_bytes(spec, cfg, dt, step.plan, rows, s)})
     return max(candidates, key=lambda d: sum(d.values()))
 
 
@@ -281,10 +280,9 @@ def _backward_peak(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, step: _MicroStep
     """The largest of: the backward's start, inside the layers, the first layer and the
     embedding's backward. ``after``: the persistent bytes with this step's gradients."""
     acts, transient = step.acts, backward_transient_bytes(spec, cfg, dt, step.tokens)
-    recompute = acts["one_layer"] if cfg.grad_ckpt else 0
+    saved_and_recomputed = acts["layers"] + (acts["one_layer"] if cfg.grad_ckpt else 0)
     start = {**before, "activations": acts["layers"], "logits": step.logits["backward"]}
-    in_layers = {**before, **held, "activations": acts["layers"] + recompute,
-                 "temporaries": transient}
+    in_layers = {**before, **held, "activations": saved_and_recomputed, "temporaries": transient}
     # the first layer back-propagates last: its activations (saved or
     # recomputed) are alive next to the complete gradients.
     end = {**after, **held, "activations": acts["one_layer"], "temporaries": transient}
