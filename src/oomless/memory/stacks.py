@@ -162,9 +162,25 @@ def _effects(stack: str, method: str, zero: int, grad_ckpt: bool, precision: str
              opts: StackOptions) -> StackEffects:
     """stack_effects, memoised on what it reads (the planner asks for many candidates)."""
     cfg = _Inputs(stack, method, zero, grad_ckpt, precision, stage, opts)
-    qlora_single = cfg.method == "qlora" and cfg.zero == 0  # DeepSpeed recasts the module
-    fx = StackEffects(cfg.stack, loss_path(transformers_version(cfg)))
     notes: list[str] = []
+    fx = _stated_options(_stack_defaults(cfg, notes), cfg, notes)
+    if cfg.stack == "llamafactory" and cfg.stage in ("dpo", "kto", "orpo", "simpo", "ppo"):
+        notes.append("LLaMA-Factory keeps the full logits in preference stages (Liger's fused "
+                     "loss is switched off there)")
+        if fx.fused_loss == "liger":
+            fx = replace(fx, fused_loss="")
+    return replace(fx, notes=tuple(notes))
+
+
+def _qlora_single(cfg: _Inputs) -> bool:
+    """QLoRA without DeepSpeed (DeepSpeed recasts the module itself)."""
+    return cfg.method == "qlora" and cfg.zero == 0
+
+
+def _stack_defaults(cfg: _Inputs, notes: list[str]) -> StackEffects:
+    """What the stack does by default, before any stated ``stack_options``."""
+    qlora_single = _qlora_single(cfg)
+    fx = StackEffects(cfg.stack, loss_path(transformers_version(cfg)))
     if cfg.stack == "trl":
         if _trl_is_v1(cfg):
             fx = replace(fx, fused_loss="trl", adapters_16bit=cfg.method == "qlora")
@@ -188,9 +204,15 @@ def _effects(stack: str, method: str, zero: int, grad_ckpt: bool, precision: str
         fx = replace(fx, autocast=not pure, keep_outputs=True,
                      fp32_groups=FP32_GROUPS_ALL if qlora_single else frozenset(),
                      setup_upcast=qlora_single)
+    return fx
+
+
+def _stated_options(fx: StackEffects, cfg: _Inputs, notes: list[str]) -> StackEffects:
+    """The stack's defaults with the switches ``stack_options`` states."""
+    opts = cfg.stack_options
     if opts.autocast is not None:
         fx = replace(fx, autocast=opts.autocast)
-    if opts.kbit_upcast is not None and qlora_single:
+    if opts.kbit_upcast is not None and _qlora_single(cfg):
         fx = replace(fx, fp32_groups=FP32_GROUPS_ALL if opts.kbit_upcast else frozenset(),
                      setup_upcast=opts.kbit_upcast)
     if opts.upcast_layernorm and cfg.zero == 0:
@@ -210,12 +232,7 @@ def _effects(stack: str, method: str, zero: int, grad_ckpt: bool, precision: str
                          "cross-entropy was traced compiled; this loss is counted eager (an "
                          "upper bound; torchtune's LinearCrossEntropyLoss.apply_compile_strategy "
                          "skipped compiling it in its first releases)")
-    if cfg.stack == "llamafactory" and cfg.stage in ("dpo", "kto", "orpo", "simpo", "ppo"):
-        notes.append("LLaMA-Factory keeps the full logits in preference stages (Liger's fused "
-                     "loss is switched off there)")
-        if fx.fused_loss == "liger":
-            fx = replace(fx, fused_loss="")
-    return replace(fx, notes=tuple(notes))
+    return fx
 
 
 # Unsloth's loss by release (unslothai/unsloth unsloth/models/llama.py

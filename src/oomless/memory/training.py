@@ -9,6 +9,7 @@ states (step ≥ 2), as in any real run after the first step.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 from ..config import RunConfig
 from ..models.hardware import Cluster
@@ -44,6 +45,7 @@ from .precision import Dtypes, dtypes_for
 from .quantized import quantization_assumptions, saved_dequant_bytes, transient_dequant_bytes
 from .stacks import FP32_GROUPS_ALL, stack_assumptions, stack_effects
 from .stages import (
+    StagePlan,
     head_bytes,
     reference_head_bytes,
     reference_rows,
@@ -203,79 +205,90 @@ def eval_forward_bytes(spec: ModelSpec, dt: Dtypes, b: int, s: int, attn: str) -
 def kv_cache_bytes(spec: ModelSpec, batch: int, tokens: int, elem_bytes: int) -> int:
     """K and V for every layer: 2 · layers · kv_heads · head_dim per token
     (sliding-window layers keep at most the window)."""
-    per_layer_tokens = []
-    for i in range(spec.num_layers):
-        windowed = is_sliding_layer(spec, i)
-        per_layer_tokens.append(min(tokens, spec.sliding_window) if windowed else tokens)
+    per_layer_tokens = (min(tokens, spec.sliding_window) if is_sliding_layer(spec, i) else tokens
+                        for i in range(spec.num_layers))
     return 2 * batch * spec.kv_dim * elem_bytes * sum(per_layer_tokens)
+
+
+class _MicroStep(NamedTuple):
+    """One micro batch of the policy's step: its shape and the bytes every phase reads."""
+
+    plan: StagePlan  # rm/dpo/kto/orpo/simpo: rows per sample, head, reference
+    tokens: int  # in the forward: micro batch × rows per sample × seq_len
+    seq_len: int  # tokens per sequence in the language model
+    acts: dict  # saved_activation_bytes
+    head: dict | None  # the stage's own loss head (None: the causal-LM loss)
+    logits: dict  # the logits region's bytes: "forward", "backward", "held"
 
 
 def _phases(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, persistent: dict, grads: dict,
             step_only: dict) -> dict[str, dict[str, int]]:
-    plan = stage_plan(cfg)  # rm/dpo/kto/orpo/simpo: rows per sample, head, reference
+    plan = stage_plan(cfg)
     b, s = cfg.micro_batch_size * plan.rows, llm_seq_len(spec, cfg)
-    t = b * s
-    acts = saved_activation_bytes(spec, cfg, dt, b, s)
     head = head_bytes(spec, cfg, dt, plan, cfg.micro_batch_size, s)
-    logits = stack_logits_bytes(spec, cfg, dt, t, rows=b) if head is None else {
+    logits = stack_logits_bytes(spec, cfg, dt, b * s, rows=b) if head is None else {
         "forward": head["forward_peak"], "backward": head["backward"], "held": 0}
-    transient = backward_transient_bytes(spec, cfg, dt, t)
-    recompute = acts["one_layer"] if cfg.grad_ckpt else 0
-    fwd_grads = grads if cfg.grad_accum > 1 else {}
-
+    step = _MicroStep(plan, b * s, s, saved_activation_bytes(spec, cfg, dt, b, s), head, logits)
+    before = {**persistent, **(grads if cfg.grad_accum > 1 else {})}  # + accumulated gradients
     # outputs a stack keeps alive until the next forward has returned (custom loop)
     held = {"logits": logits["held"]} if logits["held"] else {}
-    phases: dict[str, dict[str, int]] = {}
-    phases["forward"] = {**persistent, **fwd_grads, "activations": acts["layers"],
-                         "logits": logits["forward"],
-                         "image_embeddings": merged_input_bytes(spec, cfg, dt, t)}
-    in_layer = {**persistent, **fwd_grads, "activations": acts["layers"],
-                "temporaries": forward_transient_bytes(spec, cfg, dt, t)}
-    phases["forward"] = max(phases["forward"], in_layer, key=lambda d: sum(d.values()))
-    # a frozen vision tower's forward runs before the language model's: its own peak
-    vision = {**persistent, **fwd_grads, "vision_forward": tower_forward_bytes(spec, cfg, dt)}
-    phases["forward"] = max(phases["forward"], vision, key=lambda d: sum(d.values()))
-    ref_rows = reference_rows(cfg, plan)
-    if ref_rows:  # the reference's no-grad forward, after the policy's, on the same rows
-        ref = {**persistent, **fwd_grads, "activations": acts["layers"], "logits": head["saved"],
-               "reference_forward": eval_forward_bytes(spec, dt, ref_rows, s, cfg.attn)
-               + reference_head_bytes(spec, cfg, dt, plan, ref_rows, s)}
-        phases["forward"] = max(phases["forward"], ref, key=lambda d: sum(d.values()))
-    start = {**persistent, **fwd_grads, "activations": acts["layers"],
-             "logits": logits["backward"]}
-    in_layers = {**persistent, **fwd_grads, **held, "activations": acts["layers"] + recompute,
-                 "temporaries": transient}
-    # the first layer back-propagates last: its activations (saved or
-    # recomputed) are alive next to the complete gradients.
-    end = {**persistent, **grads, **held, "activations": acts["one_layer"],
-           "temporaries": transient}
-    # after the first layer: only the embedding's backward is left
-    embed = {**persistent, **grads, **held, "temporaries": embedding_grad_bytes(spec, cfg, dt)}
-    phases["backward"] = max((start, in_layers, end, embed), key=lambda d: sum(d.values()))
-    phases["optimizer"] = {**persistent, **grads, **step_only, **held}
-    setup = setup_phase_bytes(spec, cfg, persistent)
-    if setup:
+    phases: dict[str, dict[str, int]] = {
+        "forward": _forward_peak(spec, cfg, dt, step, before),
+        "backward": _backward_peak(spec, cfg, dt, step, before, {**persistent, **grads}, held),
+        "optimizer": {**persistent, **grads, **step_only, **held},
+    }
+    if setup := setup_phase_bytes(spec, cfg, persistent):
         phases["setup"] = setup
     if cfg.eval.loss and (cfg.eval.batch_size or cfg.eval.steps or cfg.eval.predict_with_generate):
         eb = cfg.eval_batch_size * plan.rows
         ev = eval_forward_bytes(spec, dt, eb, s, cfg.attn)
         ev_logits = stack_logits_bytes(spec, cfg, dt, eb * s, rows=eb)
-        phases["evaluation"] = {**persistent, "activations": ev,
-                                "logits": ev_logits["forward"] - ev_logits["held"]
-                                + logits["held"]}
+        phases["evaluation"] = {**persistent, "activations": ev, "logits": ev_logits["forward"]
+                                - ev_logits["held"] + logits["held"]}
     if cfg.eval.predict_with_generate and cfg.eval.max_new_tokens:
         eb = cfg.eval_batch_size
         # the prompt and, for a vision-language model, its image positions
         prompt = cfg.data.max_input_length + s - cfg.seq_len if cfg.data.max_input_length else s
-        kv = kv_cache_bytes(spec, eb, prompt + cfg.eval.max_new_tokens, dt.act_bytes)
-        phases["generation"] = {
-            **persistent,
-            "kv_cache": kv,
+        phases["generation"] = {**persistent, "kv_cache": kv_cache_bytes(
+            spec, eb, prompt + cfg.eval.max_new_tokens, dt.act_bytes),
             "activations": eval_forward_bytes(spec, dt, eb, prompt, cfg.attn),
-            # last-token logits, fp32, + probs
-            "logits": 4 * eb * spec.vocab_size * 2 + logits["held"],
-        }
+            "logits": 4 * eb * spec.vocab_size * 2 + logits["held"]}  # last token: fp32, probs
     return {p: {k: round(v) for k, v in d.items() if v} for p, d in phases.items()}
+
+
+def _forward_peak(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, step: _MicroStep,
+                  before: dict) -> dict:
+    """The largest of: the loss computed, inside a layer, the vision tower's forward and
+    the reference's no-grad forward. ``before``: what the step starts with."""
+    t, s, acts = step.tokens, step.seq_len, step.acts["layers"]
+    candidates = [{**before, "activations": acts, "logits": step.logits["forward"],
+                   "image_embeddings": merged_input_bytes(spec, cfg, dt, t)},
+                  {**before, "activations": acts,
+                   "temporaries": forward_transient_bytes(spec, cfg, dt, t)},
+                  # a frozen vision tower's forward runs before the language model's
+                  {**before, "vision_forward": tower_forward_bytes(spec, cfg, dt)}]
+    rows = reference_rows(cfg, step.plan)
+    if rows:  # the reference's no-grad forward, after the policy's, on the same rows
+        candidates.append({**before, "activations": acts, "logits": step.head["saved"],
+                           "reference_forward": eval_forward_bytes(spec, dt, rows, s, cfg.attn)
+                           + reference_head_bytes(spec, cfg, dt, step.plan, rows, s)})
+    return max(candidates, key=lambda d: sum(d.values()))
+
+
+def _backward_peak(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, step: _MicroStep,
+                   before: dict, after: dict, held: dict) -> dict:
+    """The largest of: the backward's start, inside the layers, the first layer and the
+    embedding's backward. ``after``: the persistent bytes with this step's gradients."""
+    acts, transient = step.acts, backward_transient_bytes(spec, cfg, dt, step.tokens)
+    saved_and_recomputed = acts["layers"] + (acts["one_layer"] if cfg.grad_ckpt else 0)
+    start = {**before, "activations": acts["layers"], "logits": step.logits["backward"]}
+    in_layers = {**before, **held, "activations": saved_and_recomputed, "temporaries": transient}
+    # the first layer back-propagates last: its activations (saved or
+    # recomputed) are alive next to the complete gradients.
+    end = {**after, **held, "activations": acts["one_layer"], "temporaries": transient}
+    # after the first layer: only the embedding's backward is left
+    embed = {**after, **held, "temporaries": embedding_grad_bytes(spec, cfg, dt)}
+    return max((start, in_layers, end, embed), key=lambda d: sum(d.values()))
 
 
 def setup_phase_bytes(spec: ModelSpec, cfg: RunConfig, persistent: dict) -> dict[str, float]:

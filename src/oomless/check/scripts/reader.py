@@ -16,24 +16,21 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any
 
-from ...config import RunConfig
 from ...errors import ConfigError
 from .. import foreign_keys as K
 from ..common import (
-    HF_KEYS,
     hf_eval,
-    knob_edits,
     optimizer,
     pre_quantized_note,
     training_args_fsdp,
     transformers_release,
 )
-from ..readers_hf import launch_edits as llava_edits
 from ..readers_hf import read_launch as read_llava
-from ..shellargs import BARE
 from ..sources import Reading, Source, knob_set, load_source
 from . import flags as F
 from .decide import cannot_tell, gpu_count
+from .edits import literal_in_script, writable_knobs
+from .edits import script_edits as script_edits  # re-exported: oomless.check.reading
 from .launchers import find_file
 from .methods import method_of, precision_of, saved_modules, unmodelled, zero_of
 
@@ -185,13 +182,13 @@ def read_by_meaning(src: Source, model: str | None, json_tool: str | None = None
     if "image_max_pixels" in s and isinstance(s["image_max_pixels"].value, int):
         r.facts["image_max_pixels"] = s["image_max_pixels"].value
     _batch(s, run, r)
-    r.fixed |= knob_set(*_writable(s, tool, src))
+    r.fixed |= knob_set(*writable_knobs(s, tool, src))
     if sharded:
         r.fixed.add("zero")  # a fix never adds DeepSpeed next to the script's FSDP
     if tool and F.TOOLS[tool].get("bare_flags"):  # a bare flag is added, never removed
         r.facts["may_not_express"] = {"zero", "offload", "grad_ckpt"}
     for meaning in ("micro_batch", "grad_accum"):
-        if meaning in s and not _literal(src, s[meaning].key):
+        if meaning in s and not literal_in_script(src, s[meaning].key):
             r.facts["batch_not_in_file"] = True
             r.notes.append(f"{src.where(s[meaning].key)}: --{s[meaning].key} is computed by the "
                            "script: a fix never writes over it; it edits the literals the "
@@ -326,77 +323,3 @@ def _batch(s: dict[str, F.Setting], run: dict[str, Any], r: Reading) -> None:
     if gpus:
         run["grad_accum"] = max(1, total.value // (run["micro_batch_size"] * gpus))
     r.facts["batch_not_in_file"] = True  # the accumulation is computed, not written
-
-
-def _writable(s: dict[str, F.Setting], tool: str | None, src: Source) -> tuple[str, ...]:
-    """Planner knobs a fix may change in this script: those with a flag taking a value,
-    and a bare flag (store_true) the fix can add. ZeRO and offload of a tool that takes
-    them as flags (DeepSpeed-Chat, OpenRLHF) when the stage is a literal of the script."""
-    out = ["micro_batch"]
-    if "global_batch" not in s:
-        out.append("grad_accum")
-    bare = set(F.TOOLS[tool].get("bare_flags", ())) if tool else set()
-    if "grad_ckpt" not in s or s["grad_ckpt"].key not in bare:
-        out.append("grad_ckpt")
-    elif s["grad_ckpt"].value is not True:
-        out.append("grad_ckpt")  # a bare flag a fix adds (never removes)
-    stage = s.get("zero_stage")
-    if bare and stage is not None and _literal(src, stage.key) and _flag_for(
-            tool, ("offload_all", "offload_optimizer"), src):
-        out.append("zero")
-    return tuple(out)
-
-
-def _flag_for(tool: str | None, meanings: tuple[str, ...], src: Source) -> str | None:
-    """The tool's flag for one of ``meanings``, in the style the script writes (OpenRLHF's
-    dotted ``--ds.zero_stage`` or the older ``--zero_stage``)."""
-    dotted = any("." in key for key in src.data)
-    rows = [r["flag"] for r in F.ROWS if tool in r["tools"] and r["meaning"] in meanings]
-    return next((f for f in rows if ("." in f) == dotted), rows[0] if rows else None)
-
-
-def _literal(src: Source, key: str) -> bool:
-    """Whether the flag's value is written as one literal a fix can edit (or is absent)."""
-    arg = src.command.args.get(key) if src.command else None
-    return arg is None or (len(arg.spans) == 1 and arg.spans[0] is not None)
-
-
-def script_edits(cfg: RunConfig, old: RunConfig, reading: Reading,
-                 model_type: str) -> list[tuple[str, tuple, Any]]:
-    if "script_tool" not in reading.facts:
-        return llava_edits(cfg, old, reading, model_type)
-    s = F.settings(reading.sources["main"].data, reading.facts["script_tool"])
-    out: list[tuple[str, tuple, Any]] = []
-    put = lambda key, value: out.append(("main", (key,), value))  # noqa: E731
-    keys = {"micro": s["micro_batch"].key if "micro_batch" in s else HF_KEYS["micro"],
-            "accum": s["grad_accum"].key if "grad_accum" in s else HF_KEYS["accum"],
-            "grad_ckpt": s["grad_ckpt"].key if "grad_ckpt" in s else "gradient_checkpointing"}
-    src = reading.sources["main"]
-    bare = set(F.TOOLS[reading.facts["script_tool"] or ""].get("bare_flags", ())) if \
-        reading.facts["script_tool"] else set()
-    if "global_batch" in s:  # OpenRLHF: the accumulation follows from the global batch
-        keys.pop("accum")
-    if keys["grad_ckpt"] in bare:
-        keys.pop("grad_ckpt")
-        if cfg.grad_ckpt and not old.grad_ckpt:
-            put(s["grad_ckpt"].key if "grad_ckpt" in s else "gradient_checkpointing", BARE)
-    knob_edits(cfg, old, lambda key, value: put(key, value) if _literal(src, key) else None,
-               keys)
-    _zero_edits(cfg, old, s, reading.facts["script_tool"], src, put)
-    return out
-
-
-def _zero_edits(cfg: RunConfig, old: RunConfig, s: dict[str, F.Setting], tool: str | None,
-                src: Source, put: Any) -> None:
-    """The stage written where the script writes it; offload turned on by the tool's bare
-    flag (DeepSpeed-Chat --offload: optimizer, and parameters under ZeRO-3; OpenRLHF
-    --adam_offload: the optimizer). A change the flags cannot say reads back differently
-    and is not proposed (checker._written)."""
-    if "zero_stage" not in s or not F.TOOLS[tool or ""].get("bare_flags"):
-        return
-    if cfg.zero != old.zero and _literal(src, s["zero_stage"].key):
-        put(s["zero_stage"].key, cfg.zero)
-    if cfg.offload != old.offload and old.offload == "none":
-        flag = _flag_for(tool, ("offload_all", "offload_optimizer"), src)
-        if flag:
-            put(flag, BARE)
