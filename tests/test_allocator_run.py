@@ -241,8 +241,10 @@ def accum_trace(length: int) -> tuple[list, tuple[int, int], tuple[int, int], tu
             start = len(events)
         grad = None
         for micro in range(2):
-            if micro == 1:
-                first_mb2, mb2 = (len(events), None) if step == 0 else (first_mb2, len(events))
+            if micro == 1 and step == 0:
+                first_mb2 = len(events)
+            elif micro == 1:
+                mb2 = len(events)
             act = alloc(length * 4096)
             if held:
                 free(held)

@@ -18,7 +18,7 @@ not the headroom, exit 1 with the fix), "out_of_memory" (exit 1).
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -155,11 +155,17 @@ class _Search:
     opts: CheckOptions
     ctx: RuleContext
     refused: list[str] = field(default_factory=list)
+    # the file's evaluation or generation is itself over the budget: its batch may change
+    # (it is no part of the effective training batch); otherwise a fix keeps it
+    eval_over: bool = False
+    over_budget: bool = False  # the file's own peak is above the budget
 
 
 def _request(s: _Search):
     shardings = allowed_shardings(s.cfg, s.ctx, s.reading.shardings)
     fixed = set(s.reading.fixed)
+    if s.eval_over:
+        fixed.discard("eval_batch")
     if s.cfg.precision == "fp16":  # the planner's 16-bit is bf16 where the GPU has it: the
         fixed.add("precision")     # same bytes (rule no_saving_precision), so keep fp16
     return build_request(s.spec, s.cfg, s.cluster, headroom=s.opts.headroom, objective="change",
@@ -206,8 +212,19 @@ def _written(s: _Search, plan: Any) -> tuple[dict[str, str], dict[str, str]] | N
 
 
 def _fix(s: _Search) -> tuple[Any, dict[str, str], dict[str, str]]:
-    """The first planner candidate that no rule refuses and the files can express."""
-    for plan in search(s.spec, _request(s)).plans:
+    """The first planner candidate that no rule refuses and the files can express; where
+    none keeps the band's upper bound on the card, the first that keeps the budget (the
+    fix is then tight: ``Plan.high_bytes`` above the card)."""
+    found = _first_fix(s, _request(s))
+    if found[0] is None and s.over_budget:
+        found = _first_fix(s, replace(_request(s), within_band=False))
+    return found
+
+
+def _first_fix(s: _Search, request: Any) -> tuple[Any, dict[str, str], dict[str, str]]:
+    for plan in search(s.spec, request).plans:
+        if not plan.changes:
+            continue
         changes = ", ".join(f"{c['label']} → {c['to']}" for c in plan.changes)
         broken = broken_rules(s.cfg, plan.run_config(), s.ctx)
         if broken:
@@ -271,7 +288,9 @@ def check(opts: CheckOptions) -> CheckResult:
     oom = next((p for p in TRAIN_PHASES if per_phase.get(p, 0) > memory), None)
     ctx = RuleContext(reading.facts, spec, cfg.world_size, fits_gpu=oom is None)
     reading.warnings.extend(config_warnings(cfg, ctx))
-    search_state = _Search(spec, reading, cfg, cluster, opts, ctx)
+    search_state = _Search(spec, reading, cfg, cluster, opts, ctx, eval_over=any(
+        per_phase.get(p, 0) > budget for p in TRAIN_PHASES[3:]),  # evaluation, generation
+        over_budget=per_phase[peak_phase] > budget)
     fix, diffs, new_texts = (None, {}, {})
     low, high = band_bytes(per_phase[peak_phase])
     if per_phase[peak_phase] > budget or high > memory:

@@ -73,10 +73,16 @@ def render_check(r: Any, done: list[str] = ()) -> None:  # type: ignore[assignme
     if r.fix:
         f = r.fix
         changes = "; ".join(change_text(ch) for ch in f["changes"])
-        out.print(f"smallest change that fits (same effective batch): {changes} — predicted "
+        tight = f["high_bytes"] > f["gpu_memory_bytes"]
+        out.print(f"smallest change that {'keeps the budget' if tight else 'fits'} (same "
+                  f"effective batch): {changes} — predicted "
                   f"{fmt_bytes(f['device_peak_bytes'])} ({f['peak_phase']}) of "
                   f"{fmt_bytes(f['budget_bytes'])}, {f['speed']['tokens_per_s']:,.0f} tokens/s",
                   soft_wrap=True)
+        if tight:
+            out.print(f"tight: its upper bound {fmt_bytes(f['high_bytes'])} is above the "
+                      f"GPU's {fmt_bytes(f['gpu_memory_bytes'])}; no change this file can "
+                      "express keeps the whole band on the card", soft_wrap=True)
         sys.stdout.flush()
         for diff in r.diffs.values():
             sys.stdout.write(diff)

@@ -80,6 +80,9 @@ class PlanRequest:
     notes: tuple[str, ...] = ()
     shardings: tuple[tuple[int, str], ...] | None = None  # (ZeRO, offload) a format can express
     time_budget_s: float = 0.0  # the search stops after this long (planner/plan.py); 0: none
+    # a plan's band upper bound (memory/band.py) must fit the card too; check's second
+    # pass, when no plan does, drops it and says the fix is tight
+    within_band: bool = True
 
     @property
     def budget_bytes(self) -> int:

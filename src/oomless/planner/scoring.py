@@ -69,8 +69,9 @@ class CandidateScorer:
         if st.host_bytes and self.req.host_ram_bytes:
             host_short = max(0, st.host_bytes - self.req.host_ram_bytes)
         # a plan keeps the headroom and its upper bound (memory/band.py) fits the GPU
-        over = max(device - self.budget_bytes,
-                   band_bytes(device)[1] - self.cluster.gpu.memory_bytes)
+        over = device - self.budget_bytes
+        if self.req.within_band:
+            over = max(over, band_bytes(device)[1] - self.cluster.gpu.memory_bytes)
         return Fit(device, phase, st.host_bytes, st.paged_bytes,
                    over <= 0 and host_short == 0, over, host_short)
 
