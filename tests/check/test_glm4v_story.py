@@ -37,9 +37,9 @@ stand-in run on a GPU (NVIDIA H200, 2026-11-26; benchmarks/results/gpu_runs.md) 
 stand-in, so what separates it from the README's 75 GB (about 61 GiB on the card, 65.5 GB,
 13% under) is in GLM-4V's own code, which is not at hand. The analytic estimate's
 allocator reserve (a share of the largest transient block) is smaller than the replay's:
-56.5 GiB on the card, 19% under. At batch 2 the stand-in allocated 84.68 GiB and reserved
+56.7 GiB on the card, 19% under. At batch 2 the stand-in allocated 84.68 GiB and reserved
 92.93 GiB on the GPU (the replay: 92.88), above the 79.25 GiB an A100-80GB leaves PyTorch;
-the estimate says 88.5 GiB, but the band's lower bound (÷1.157) stays under the card, so
+the estimate says 88.7 GiB, but the band's lower bound (÷1.157) stays under the card, so
 the verdict is TIGHT (exit 1), not OUT OF MEMORY. Checked and excluded: evaluation and generation
 (eval batch 4: prefill of 4 × ~2,100 positions with eager attention, about 34 GiB; the
 Seq2SeqTrainer empties the cache after every step and prediction), the attention mask
@@ -91,9 +91,9 @@ def test_batch_2_on_8_a100_is_predicted_above_the_gpu(batch2):
     assert r.device_peak_bytes > r.gpu_memory_bytes
 
 
-@pytest.mark.xfail(strict=True, reason="documented miss: batch 2 is predicted at 88.5 GiB on "
-                   "a 79.25 GiB card, band 76.5–101.1 GiB: TIGHT, not OUT OF MEMORY (the "
-                   "full-size trace reserves 89.9 GiB, still inside the band)")
+@pytest.mark.xfail(strict=True, reason="documented miss: batch 2 is predicted at 88.7 GiB on "
+                   "a 79.25 GiB card, band 76.7–101.6 GiB: TIGHT, not OUT OF MEMORY (the "
+                   "stand-in reserved 92.93 GiB on a GPU; the analytic reserve is smaller)")
 def test_batch_2_on_8_a100_is_out_of_memory(batch2):
     r = check(CheckOptions(files=(str(batch2),), gpu="a100-80gbx8", model="glm-4v-9b"))
     assert r.verdict == "out of memory"
@@ -133,9 +133,9 @@ def test_no_bf16_flag_runs_the_bf16_model_without_autocast(tmp_path):
     assert mixed.config["stack_options"]["autocast"] is None
 
 
-@pytest.mark.xfail(strict=True, reason="documented miss: batch 1 is predicted at 56.5 GiB "
-                   "(60.7 GB), 19% under the README's 75 GB (a full-size trace with the "
-                   "allocator replay: 59.0 GiB, 15.5% under); what else the real run held is "
+@pytest.mark.xfail(strict=True, reason="documented miss: batch 1 is predicted at 56.7 GiB "
+                   "(60.9 GB), 19% under the README's 75 GB (the stand-in on a GPU: 60.26 GiB "
+                   "reserved, about 13% under on the card); what else the real run held is "
                    "not identified (see the module docstring)")
 def test_batch_1_is_within_15_percent_of_the_readme():
     r = check(CheckOptions(files=(str(YAML),), gpu="a100-80gb", model="glm-4v-9b"))
