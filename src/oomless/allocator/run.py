@@ -99,137 +99,97 @@ def _micro(step_lengths: int | Sequence[int]) -> tuple[int, ...]:
 
 
 class _Step:
-    """Names the storages of one repeated step; the second traced micro batch (B)
-    runs once per further micro batch, each copy at its own length."""
+    """Names the storages of one step: the first (setup included, the events before
+    ``step_start``) or a repeated one. Where the trace ran two micro batches, the second
+    (B) runs once per further micro batch, each copy at its own length."""
 
     def __init__(self, stream: ScaledStream, step: int, micro: tuple[int, ...]):
-        self.stream, self.step = stream, step
+        self.stream, self.step, self.micro = stream, step, micro
+        self.start, self.end = (stream.step_start, stream.step_end) if step else (
+            0, stream.step_start)
         self.born = {key: i for i, (kind, key) in enumerate(stream.events) if kind == ALLOC}
-        self.b = stream.micro if stream.micro and len(micro) > 1 else None
+        bounds = stream.micro if step else stream.first_micro
+        self.b = bounds if bounds and len(micro) > 1 else None
         self.last = len(micro) - 1 if self.b else 0
 
     def in_b(self, i: int) -> bool:
         return self.b is not None and self.b[0] <= i < self.b[1]
 
     def name(self, i: int, copy: int) -> Any:
-        """Name of the storage allocated by event ``i`` (in copy ``copy`` when in B)."""
+        """Name of the storage allocated by event ``i`` (in copy ``copy`` when in B);
+        the first step's others keep the trace's own key."""
         key = self.stream.events[i][1]
-        return (self.step, copy, key) if self.in_b(i) else (self.step, key)
+        if self.in_b(i):
+            return (self.step, copy, key)
+        return (self.step, key) if self.step else key
 
 
 def run_events(stream: ScaledStream, lengths: Sequence[int | Sequence[int]]
                ) -> Iterator[tuple[int, str, Any, int]]:
     """(step, kind, key, bytes) of the whole run, step 0 included. ``lengths[i]``: the
     step's length, or its micro batches' lengths."""
-    first_names: dict[Any, Any] = {}
-    yield from _first_step(stream, _micro(lengths[0]), first_names)
+    first = _Step(stream, 0, _micro(lengths[0]))
     pairs, left = _pairs(stream, stream.step_start, stream.step_end)
-    b_pairs = _pairs(stream, *stream.micro)[0] if stream.micro else {}
+    b_pairs = [_pairs(stream, *b)[0] if b else {} for b in (stream.first_micro, stream.micro)]
     prev_left: dict[int, Any] = {}  # step allocation event → its name in the previous step
-    for step in range(1, len(lengths)):
-        micro = _micro(lengths[step])
-        st = _Step(stream, step, micro)
-        handed: set[Any] = set()
-        b_live: set[Any] = set()
-        for copy, (lo, hi) in _segments(stream, st):
-            sizes = stream.sizes_at(micro[min(copy, len(micro) - 1)] if st.b else max(micro))
-            for i in range(lo, hi):
-                kind, key = stream.events[i]
-                if kind == ALLOC:
-                    name = st.name(i, copy)
-                    if st.in_b(i):
-                        b_live.add(name)
-                    yield step, kind, name, sizes[i]
-                    continue
-                target = _free_target(st, i, copy, pairs, b_pairs, prev_left)
-                if target is None:
-                    continue
-                target = first_names.get(target, target) if step == 1 else target
-                handed.add(target)
-                b_live.discard(target)
-                yield step, FREE, target, 0
-        for name in b_live:  # what earlier micro batches left and nothing freed
-            if name[1] != st.last:
-                yield step, FREE, name, 0
-        for name in prev_left.values():  # left by the previous step, not freed by this one
-            if name not in handed:
-                yield step, FREE, name, 0
-        prev_left = {i: st.name(i, st.last) for i in left}
+    for step in range(len(lengths)):
+        st = _Step(stream, step, _micro(lengths[step])) if step else first
+        yield from _replay_step(st, first, pairs, b_pairs[min(step, 1)], prev_left)
+        prev_left = {i: st.name(i, st.last) for i in left} if step else {}
 
 
-def _first_step(stream: ScaledStream, micro: tuple[int, ...],
-                names: dict[Any, Any]) -> Iterator[tuple[int, str, Any, int]]:
-    """Setup and the first step (the events before ``step_start``), each micro batch at
-    its own length where the trace ran two (``first_micro``): the first micro batch,
-    the second once per further one, then the optimizer. Fills ``names``: a storage's
-    key → its name, for those the second micro batch's last copy left."""
-    if stream.first_micro is None or len(micro) < 2:
-        sizes = stream.sizes_at(max(micro))
-        for i in range(stream.step_start):
-            kind, key = stream.events[i]
-            yield 0, kind, key, sizes[i]
-        return
-    lo, hi = stream.first_micro
-    last = len(micro) - 1
-    born = {key: i for i, (kind, key) in enumerate(stream.events) if kind == ALLOC}
-    b_pairs = _pairs(stream, lo, hi)[0]
-
-    def name(i: int, copy: int) -> Any:
-        key = stream.events[i][1]
-        return (0, copy, key) if lo <= i < hi else key
-
-    ranges = [(0, 0, lo)] + [(c, lo, hi) for c in range(1, last + 1)] + [(last, hi,
-                                                                         stream.step_start)]
+def _replay_step(st: _Step, first: _Step, pairs: dict[int, int], b_pairs: dict[int, int],
+                 prev_left: dict[int, Any]) -> Iterator[tuple[int, str, Any, int]]:
+    """One step's events, each micro batch's at its length."""
+    stream, step, micro = st.stream, st.step, st.micro
+    handed: set[Any] = set()
     b_live: set[Any] = set()
-    for copy, start, end in ranges:
-        sizes = stream.sizes_at(micro[copy])
-        for i in range(start, end):
+    for copy, (lo, hi) in _segments(st):
+        sizes = stream.sizes_at(micro[min(copy, len(micro) - 1)] if st.b else max(micro))
+        for i in range(lo, hi):
             kind, key = stream.events[i]
             if kind == ALLOC:
-                if lo <= i < hi:
-                    b_live.add(name(i, copy))
-                yield 0, kind, name(i, copy), sizes[i]
+                name = st.name(i, copy)
+                if st.in_b(i):
+                    b_live.add(name)
+                yield step, kind, name, sizes[i]
                 continue
-            j = born.get(key, -1)
-            in_b, born_in_b = lo <= i < hi, lo <= j < hi
-            if in_b and not born_in_b:  # the micro batch before left it
-                twin = i if copy == 1 else b_pairs.get(i, -1)
-                if twin < 0:
-                    continue
-                target = name(j, 0) if copy == 1 else name(twin, copy - 1)
-            else:
-                target = name(j, copy if in_b else last) if born_in_b else key
+            target = _free_target(st, first, i, copy, pairs, b_pairs, prev_left)
+            if target is None:
+                continue
+            handed.add(target)
             b_live.discard(target)
-            yield 0, FREE, target, 0
-    for left in b_live:  # what earlier copies left and nothing freed
-        if left[1] != last:
-            yield 0, FREE, left, 0
-    names.update({stream.events[i][1]: name(i, last) for i in range(lo, hi)
-                  if stream.events[i][0] == ALLOC})
+            yield step, FREE, target, 0
+    for name in b_live:  # what earlier micro batches left and nothing freed
+        if name[1] != st.last:
+            yield step, FREE, name, 0
+    for name in prev_left.values():  # left by the previous step, not freed by this one
+        if name not in handed:
+            yield step, FREE, name, 0
 
 
-def _segments(stream: ScaledStream, st: _Step) -> list[tuple[int, tuple[int, int]]]:
+def _segments(st: _Step) -> list[tuple[int, tuple[int, int]]]:
     """(copy, event range) in replay order: A, B once per further micro batch, C."""
     if st.b is None:
-        return [(0, (stream.step_start, stream.step_end))]
+        return [(0, (st.start, st.end))]
     mb2, opt = st.b
-    return ([(0, (stream.step_start, mb2))] + [(c, (mb2, opt)) for c in range(1, st.last + 1)]
-            + [(st.last, (opt, stream.step_end))])
+    return ([(0, (st.start, mb2))] + [(c, (mb2, opt)) for c in range(1, st.last + 1)]
+            + [(st.last, (opt, st.end))])
 
 
-def _free_target(st: _Step, i: int, copy: int, pairs: dict[int, int],
+def _free_target(st: _Step, first: _Step, i: int, copy: int, pairs: dict[int, int],
                  b_pairs: dict[int, int], prev_left: dict[int, Any]) -> Any:
     """The name a free event releases in this step (None: nothing to release)."""
     stream = st.stream
     key = stream.events[i][1]
     j = st.born.get(key, -1)
-    if j < stream.step_start:  # allocated by an earlier step
+    if j < st.start:  # allocated by an earlier step
         if st.in_b(i) and copy > 1:
             return None  # the first copy released it
         twin = pairs.get(i, -1)
         if twin < 0:
             return None  # the trace closing (optimizer states): the storage lives on
-        return key if st.step == 1 else prev_left.get(twin)
+        return first.name(j, first.last) if st.step == 1 else prev_left.get(twin)
     if st.in_b(i) and not st.in_b(j):  # B frees what the micro batch before left
         if copy == 1:
             return st.name(j, 0)
@@ -238,7 +198,6 @@ def _free_target(st: _Step, i: int, copy: int, pairs: dict[int, int],
     if st.in_b(j):  # allocated in B: this copy's, or (from C) the last copy's
         return st.name(j, copy if st.in_b(i) else st.last)
     return st.name(j, 0)
-
 
 def simulate_run(stream: ScaledStream, lengths: Sequence[int | Sequence[int]],
                  config: AllocatorConfig | None = None,
