@@ -189,27 +189,10 @@ def _glm4v_shell(cfg: RunConfig):
     """GLM-4V at 1120 px: a trace of the test-only stand-in of its EVA2-CLIP tower in front
     of transformers' GLM-4 port (running GLM-4V's eager CoreAttention and ChatGLM's loss),
     and the spec of exactly that model (LM: the port)."""
-    import dataclasses
-
     sys.path.insert(0, str(SHELLS))
-    from glm4v_shell import build_fake_shell, shell_batch
+    from glm4v_shell import trace_full_shell
 
-    from oomless.memory.vision import image_tokens
-    from oomless.models.catalog import get_entry
-    from oomless.models.hf_config import spec_from_hf_config
-    from oomless.models.hf_decoder import chatglm_to_glm
-    from oomless.runtime.build import fake_mode
-    from oomless.runtime.trace.module_trace import trace_module
-
-    config = get_entry("glm-4v-9b").config
-    glm4v = resolve_model("glm-4v-9b").spec  # its tower, eager CoreAttention and own loss
-    spec = dataclasses.replace(spec_from_hf_config(chatglm_to_glm(config), "glm-4v-9b (shell)"),
-                               vision=glm4v.vision, model_type=glm4v.model_type,
-                               sdpa_supported=glm4v.sdpa_supported)
-    model, layers = build_fake_shell(config, cfg)
-    with fake_mode():
-        batch = shell_batch(model, config["vision_config"], cfg.seq_len, image_tokens(spec, cfg))
-    stats = trace_module(model, cfg, batch, num_layers=layers, loss_fn=lambda m, b: m(**b).loss)
+    stats, spec = trace_full_shell(cfg)
     peak = max(stats.phase_peaks, key=stats.phase_peaks.__getitem__)
     traced = SimpleNamespace(peak_allocated_bytes=stats.phase_peaks[peak], peak_phase=peak,
                              extra={})

@@ -87,25 +87,13 @@ def _compare_run(job: dict, rec: dict) -> dict[str, Any]:
 
 
 def _compare_shell(job: dict, rec: dict) -> dict[str, Any]:
-    import torch
-
     sys.path.insert(0, str(SHELLS))
-    from glm4v_shell import build_fake_shell, shell_batch
+    from glm4v_shell import trace_full_shell
 
     from oomless.config import RunConfig
-    from oomless.memory.vision import image_tokens
-    from oomless.models.catalog import get_entry, resolve_model
-    from oomless.runtime.build import fake_mode
-    from oomless.runtime.trace.module_trace import trace_module
 
     cfg = RunConfig.model_validate(job["config"])
-    config = get_entry("glm-4v-9b").config
-    model, layers = build_fake_shell(config, cfg)
-    tokens = image_tokens(resolve_model("glm-4v-9b").spec, cfg)
-    with fake_mode():
-        one = shell_batch(model, config["vision_config"], cfg.seq_len, tokens)
-        batch = {k: torch.cat([v] * cfg.micro_batch_size) for k, v in one.items()}
-    stats = trace_module(model, cfg, batch, num_layers=layers, loss_fn=lambda m, b: m(**b).loss)
+    stats, _spec = trace_full_shell(cfg)
     measured = {p: max(s[p] for s in rec["shell_steps"]) for p in ("forward", "backward")}
     phases = stats.phase_peaks
     return {"id": job["id"], "kind": "shell", "micro_batch_size": cfg.micro_batch_size,

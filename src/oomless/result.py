@@ -32,7 +32,8 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 
-TRAIN_PHASES = ("forward", "backward", "optimizer", "evaluation", "generation")
+EVAL_PHASES = ("evaluation", "generation")  # run by the trainer between steps
+TRAIN_PHASES = ("forward", "backward", "optimizer", *EVAL_PHASES)
 
 FITS = "fits"
 TIGHT = "tight"

@@ -21,7 +21,8 @@ takes a contiguous copy of the shifted ones into CrossEntropyLoss and casts the
 logits back to bf16 (``Glm4vShell.forward``). The image features take the place
 of as many placeholder positions. Weights are random; only shapes and ops matter
 for memory.
-Used by tests/runtime/test_trace_glm4v.py and benchmarks/accuracy.py.
+Used by tests/runtime/test_trace_glm4v.py, benchmarks/accuracy.py and
+benchmarks/gpu_runs.py (its GPU measurement and the trace it is compared with).
 """
 
 from __future__ import annotations
@@ -249,3 +250,30 @@ def shell_batch(model: nn.Module, vision_config: dict[str, Any], seq: int,
     ids = torch.randint(0, vocab, (1, seq + image_tokens), device=device)
     return {"input_ids": ids, "labels": ids.clone(),
             "images": torch.randn((1, 3, side, side), dtype=torch.float32, device=device)}
+
+
+def trace_full_shell(cfg: Any) -> tuple[Any, Any]:
+    """The shell at full size (GLM-4V-9B's catalog config) traced as ``cfg`` runs it,
+    its micro batch's rows the same sample repeated: (TraceStats, the shell's spec —
+    transformers' GLM-4 port with GLM-4V's tower, eager CoreAttention and own loss)."""
+    import dataclasses
+
+    from oomless.memory.vision import image_tokens
+    from oomless.models.catalog import get_entry, resolve_model
+    from oomless.models.hf_config import spec_from_hf_config
+    from oomless.models.hf_decoder import chatglm_to_glm
+    from oomless.runtime.build import fake_mode
+    from oomless.runtime.trace.module_trace import trace_module
+
+    config = get_entry("glm-4v-9b").config
+    glm4v = resolve_model("glm-4v-9b").spec
+    spec = dataclasses.replace(spec_from_hf_config(chatglm_to_glm(config), "glm-4v-9b (shell)"),
+                               vision=glm4v.vision, model_type=glm4v.model_type,
+                               sdpa_supported=glm4v.sdpa_supported)
+    model, layers = build_fake_shell(config, cfg)
+    with fake_mode():
+        one = shell_batch(model, config["vision_config"], cfg.seq_len, image_tokens(spec, cfg))
+        batch = {k: torch.cat([v] * cfg.micro_batch_size) for k, v in one.items()}
+    del one
+    stats = trace_module(model, cfg, batch, num_layers=layers, loss_fn=lambda m, b: m(**b).loss)
+    return stats, spec

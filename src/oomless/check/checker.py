@@ -28,7 +28,7 @@ from ..models.spec import ModelSpec
 from ..planner.plan import KNOBS as PLAN_KNOBS
 from ..planner.plan import _get, search
 from ..planner.request import build_request
-from ..result import TRAIN_PHASES
+from ..result import EVAL_PHASES, TRAIN_PHASES
 from .assemble import CheckOptions, gpu_cluster, read_files, resolve, run_config
 from .reading import ReadOptions, edits_for, read_sources
 from .rules import RuleContext, allowed_shardings, broken_rules, config_warnings
@@ -215,9 +215,10 @@ def _fix(s: _Search) -> tuple[Any, dict[str, str], dict[str, str]]:
     """The first planner candidate that no rule refuses and the files can express; where
     none keeps the band's upper bound on the card, the first that keeps the budget (the
     fix is then tight: ``Plan.high_bytes`` above the card)."""
-    found = _first_fix(s, _request(s))
+    request = _request(s)
+    found = _first_fix(s, request)
     if found[0] is None and s.over_budget:
-        found = _first_fix(s, replace(_request(s), within_band=False))
+        found = _first_fix(s, replace(request, within_band=False))
     return found
 
 
@@ -289,7 +290,7 @@ def check(opts: CheckOptions) -> CheckResult:
     ctx = RuleContext(reading.facts, spec, cfg.world_size, fits_gpu=oom is None)
     reading.warnings.extend(config_warnings(cfg, ctx))
     search_state = _Search(spec, reading, cfg, cluster, opts, ctx, eval_over=any(
-        per_phase.get(p, 0) > budget for p in TRAIN_PHASES[3:]),  # evaluation, generation
+        per_phase.get(p, 0) > budget for p in EVAL_PHASES),
         over_budget=per_phase[peak_phase] > budget)
     fix, diffs, new_texts = (None, {}, {})
     low, high = band_bytes(per_phase[peak_phase])
