@@ -310,13 +310,15 @@ def minicpmo_spec(f: ConfigFields, name: str) -> ModelSpec:
     spec = _with_minicpm_vision(f, text) if f.get("init_vision", True) else text
     audio, tts = minicpmo_audio_and_tts_params(f.config)
     notes = list(spec.assumptions)
-    if audio or tts:
+    parts = [part for part, n in ((f"audio encoder and projection ({audio:,} parameters, "
+                                   "init_audio)", audio),
+                                  (f"speech decoder ({tts:,} parameters, init_tts)", tts)) if n]
+    if parts:
         notes.append(
-            f"MiniCPM-o's audio encoder and projection ({audio:,} parameters, init_audio) and "
-            f"speech decoder ({tts:,}, init_tts) are counted in the weights, as MiniCPMOConfig "
-            "builds them by default; their activations are not modelled (no audio in the "
-            "data). OpenBMB's finetune.py builds the model with init_audio=False, "
-            "init_tts=False and LLaMA-Factory with init_tts=False: set those keys to false "
-            "in config.json to count what such a run builds")
+            f"MiniCPM-o's {' and '.join(parts)} counted in the weights, as config.json builds "
+            "them (MiniCPMOConfig: true unless set); their activations are not modelled (no "
+            "audio in the data). OpenBMB's finetune.py builds the model with "
+            "init_audio=False, init_tts=False and LLaMA-Factory with init_tts=False (oomless "
+            "check applies both); set those keys in config.json to count another run")
     return replace(spec, model_type="minicpmo", architecture="MiniCPMO",
                    other_params=spec.other_params + audio + tts, assumptions=tuple(notes))
