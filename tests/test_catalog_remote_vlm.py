@@ -9,6 +9,10 @@ data (oomless.models.hf_vision_remote), each count equal to a model built on the
   (transformers' Idefics2VisionTransformer in 2.5; modeling_navit_siglip's copy of it in
   2.6) and resampler.py's Resampler; composed here from those classes and the resampler's
   torch modules, and equal to the total the checkpoints' model.safetensors.index.json state.
+- MiniCPM-o-2_6: its modeling_minicpmo.py builds the same llm, vpm and resampler plus
+  transformers' WhisperEncoder (apm), a two-Linear audio projection and ConditionalChatTTS
+  (a LlamaModel, embeddings, weight-normed heads and ChatTTS's DVAE); composed here from
+  those classes and torch modules, and equal to two counts measured on the release.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from oomless.models.hf_config import buildable_hf_config, spec_from_hf_config
 ROOT = Path(__file__).resolve().parents[1]
 HUB_IDS = {  # hub id -> catalog name, LLaMA-Factory template (None: a note instead)
     "openbmb/MiniCPM-V-2_6": ("minicpm-v-2.6", "minicpm_v"),
+    "openbmb/MiniCPM-o-2_6": ("minicpm-o-2.6", "minicpm_o"),
     "openbmb/MiniCPM-Llama3-V-2_5": ("minicpm-llama3-v-2.5", None),
     "OpenGVLab/InternVL2_5-8B": ("internvl2.5-8b", None),
     "OpenGVLab/InternVL2_5-1B": ("internvl2.5-1b", None),
@@ -84,16 +89,6 @@ def test_the_hub_ids_resolve_plan_and_estimate_with_the_network_blocked(tmp_path
             assert "template:" not in lf and "names no `template`" in readme
         else:
             assert f"template: {template}\n" in lf
-
-
-@pytest.mark.xfail(strict=True, reason="openbmb/MiniCPM-o-2_6 is not in the catalog: the tail of "
-                   "its config.json (vision_config, query_num) and its model.safetensors.index.json "
-                   "are in no stored copy. The language model, the Whisper-medium audio tower and "
-                   "the ConditionalChatTTS are pinned by parameter counts measured on the release "
-                   "(7,864,846,900 for llm + tts, 8,188,585,524 with apm and its projection); the "
-                   "SigLIP tower and resampler are not; see fixtures/remote_code/README.md")
-def test_minicpm_o_2_6_resolves_from_the_catalog():
-    assert find_entry("openbmb/MiniCPM-o-2_6") is not None
 
 
 def _count(module) -> int:
@@ -188,6 +183,147 @@ def test_minicpmv_formulas_follow_the_code_on_tiny_shapes(drop, queries, lm_hidd
     assert spec.vision.num_layers == 3 - int(drop)
 
 
+# Parameter counts of openbmb/MiniCPM-o-2_6 measured on the released checkpoint (bf16):
+# weedge/doraemon-nb achat_miniCPMo.ipynb at a9c911670c0e9f201248a46eb8d3213ec57a2895, runs
+# of 2025-02-18 with achatbot's print_model_params (sum of numel over model.parameters()):
+# built with llm + tts (init_vision, init_audio off) and with llm + apm + tts (init_vision off)
+MINICPMO_MEASURED = {"llm+tts": 7_864_846_900, "llm+apm+tts": 8_188_585_524}
+# checkpoint tensors of the modules those runs did not build, as transformers' "Some weights
+# of the model checkpoint ... were not used" lists them in the same notebook
+MINICPMO_UNUSED_TENSORS = {"vpm": 437, "resampler": 13, "apm": 367, "audio_projection_layer": 4}
+
+
+def _chattts_dvae(torch):
+    """ConditionalChatTTS's DVAE() of modeling_minicpmo.py (ChatTTS's dvae.py), its modules
+    at their fixed shapes; vq_layer's GroupedResidualFSQ(dim 1024, groups 2) holds, per group,
+    vector_quantize_pytorch ResidualFSQ's project_in Linear(512, 4) and project_out Linear(4, 512)."""
+    nn = torch.nn
+
+    def block():  # ConvNeXtBlock(256, 1024, kernel 7, dilation 2) and its layer scale coef
+        out = nn.ModuleDict({"dwconv": nn.Conv1d(256, 256, 7, padding=6, dilation=2, groups=256),
+                             "norm": nn.LayerNorm(256), "pwconv1": nn.Linear(256, 1024),
+                             "pwconv2": nn.Linear(1024, 256)})
+        out.register_parameter("coef", nn.Parameter(torch.empty(256)))
+        return out
+
+    def coder(odim):
+        blocks = nn.ModuleList(block() for _ in range(12))
+        return nn.ModuleDict({"conv_in": nn.Sequential(nn.Conv1d(512, 128, 3, 1, 1), nn.GELU(),
+                                                       nn.Conv1d(128, 256, 3, 1, 1)),
+                              "decoder_block": blocks,
+                              "conv_out": nn.Conv1d(256, odim, 1, bias=False)})
+    dvae = nn.ModuleDict({
+        "downsample_conv": nn.Sequential(nn.Conv1d(100, 512, 3, 1, 1), nn.GELU(),
+                                         nn.Conv1d(512, 512, 4, 2, 1), nn.GELU()),
+        "encoder": coder(1024), "decoder": coder(512),
+        "out_conv": nn.Conv1d(512, 100, 3, 1, 1, bias=False),
+        "vq_layer": nn.ModuleList(nn.ModuleDict({"project_in": nn.Linear(512, 4),
+                                                 "project_out": nn.Linear(4, 512)})
+                                  for _ in range(2))})
+    dvae.register_parameter("coef", nn.Parameter(torch.empty(1, 100, 1)))
+    return dvae
+
+
+# configuration_minicpm.py ConditionalChatTTSConfig's defaults (MiniCPM-o-2_6; the
+# release's tts_config sets llm_dim only)
+CHATTTS_DEFAULTS = {"llm_dim": 2560, "hidden_size": 768, "intermediate_size": 3072,
+                    "num_attention_heads": 12, "num_hidden_layers": 20,
+                    "max_position_embeddings": 4096, "num_audio_tokens": 626,
+                    "num_text_tokens": 21178, "num_vq": 4, "use_mlp": True}
+
+
+def _minicpmo_audio_and_tts(config: dict):
+    """apm (transformers' WhisperEncoder: MiniCPMWhisperEncoder adds no parameter),
+    audio_projection_layer (MultiModalProjector: Linear, ReLU, Linear with biases) and tts
+    (ConditionalChatTTS: projector, emb_code, emb_text, weight-normed head_code, DVAE and a
+    LlamaModel), on the meta device."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from torch.nn.utils.parametrizations import weight_norm
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    nn = torch.nn
+    hidden, t = config["hidden_size"], CHATTTS_DEFAULTS | config["tts_config"]
+    h, audio_tokens, vq = t["hidden_size"], t["num_audio_tokens"], t["num_vq"]
+    llama = {k: t[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                "num_hidden_layers", "max_position_embeddings")}
+    with torch.device("meta"):
+        apm = WhisperEncoder(transformers.WhisperConfig(**config["audio_config"]))
+        width = apm.config.encoder_ffn_dim // 4
+        projection = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, hidden))
+        projector = nn.Sequential(nn.Linear(t["llm_dim"], h), nn.ReLU(), nn.Linear(h, h)) \
+            if t["use_mlp"] else nn.Linear(t["llm_dim"], h, bias=False)
+        tts = nn.ModuleDict({
+            "projector": projector,
+            "emb_code": nn.ModuleList(nn.Embedding(audio_tokens, h) for _ in range(vq)),
+            "emb_text": nn.Embedding(t["num_text_tokens"], h),
+            "head_code": nn.ModuleList(
+                weight_norm(nn.Linear(h, audio_tokens, bias=False), name="weight")
+                for _ in range(vq)),
+            "dvae": _chattts_dvae(torch),
+            "model": transformers.LlamaModel(transformers.LlamaConfig(**llama))})
+    return apm, projection, tts
+
+
+def test_minicpm_o_2_6_resolves_from_the_catalog_with_the_count_of_its_parts():
+    """The release's config.json built as MiniCPMO builds it (init_vision, init_audio and
+    init_tts default to true), and the two counts measured on the released checkpoint."""
+    entry = find_entry("openbmb/MiniCPM-o-2_6")
+    assert entry is not None and entry.name == "minicpm-o-2.6"
+    config = entry.config
+    assert config["model_type"] == "minicpmo" and config["query_num"] == 64
+    text = {k: v for k, v in config.items() if k not in ("audio_config", "tts_config")}
+    llm, vpm, resampler = _minicpmv_parts(text)
+    apm, projection, tts = _minicpmo_audio_and_tts(config)
+    built = {"vpm": vpm, "resampler": resampler, "apm": apm, "audio_projection_layer": projection}
+    assert {k: len(list(m.parameters())) for k, m in built.items()} == MINICPMO_UNUSED_TENSORS
+    llm_n, tts_n, audio_n = _count(llm), _count(tts), _count(apm) + _count(projection)
+    assert llm_n + tts_n == MINICPMO_MEASURED["llm+tts"]
+    assert llm_n + audio_n + tts_n == MINICPMO_MEASURED["llm+apm+tts"]
+    spec = entry.spec
+    assert spec.param_count == llm_n + _count(vpm) + _count(resampler) + audio_n + tts_n
+    assert spec.vision.param_count == _count(vpm) + _count(resampler)
+    assert spec.vision.projector_params == _count(resampler)
+    assert spec.other_params == audio_n + tts_n
+    assert spec.vision == get_entry("minicpm-v-2.6").spec.vision  # same tower, 64 queries
+
+
+def test_minicpm_o_without_audio_and_tts_counts_what_finetune_py_builds():
+    """OpenBMB finetune.py loads MiniCPM-o with init_vision=True, init_audio=False,
+    init_tts=False: llm, vpm and resampler only; the assumptions say how to get there."""
+    entry = get_entry("minicpm-o-2.6")
+    assert any("init_audio" in note and "finetune.py" in note
+               for note in entry.spec.assumptions)
+    config = entry.config | {"init_audio": False, "init_tts": False}
+    spec = spec_from_hf_config(config, "minicpm-o-vision-only")
+    llm, vpm, resampler = _minicpmv_parts(
+        {k: v for k, v in config.items() if k not in ("audio_config", "tts_config")})
+    assert spec.param_count == _count(llm) + _count(vpm) + _count(resampler)
+    assert spec.other_params == 0
+    assert not any("init_audio" in note for note in spec.assumptions)
+
+
+def test_minicpm_o_formulas_follow_the_code_on_tiny_audio_and_tts_shapes():
+    """Audio and TTS widths the release does not use (a bias-free TTS projector without
+    use_mlp, Whisper keys left to WhisperConfig's defaults) against the modules built."""
+    config = copy.deepcopy(get_entry("minicpm-o-2.6").config)
+    config.update(hidden_size=128, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, num_hidden_layers=2, vocab_size=300, init_vision=False)
+    config["audio_config"] = {"d_model": 64, "encoder_layers": 2, "encoder_attention_heads": 4,
+                              "encoder_ffn_dim": 96, "max_source_positions": 40}
+    config["tts_config"] = {"llm_dim": 128, "hidden_size": 64, "intermediate_size": 80,
+                            "num_attention_heads": 4, "num_hidden_layers": 2,
+                            "num_audio_tokens": 10, "num_text_tokens": 30, "num_vq": 2,
+                            "use_mlp": False}
+    spec = spec_from_hf_config(config, "tiny-minicpmo")
+    llm, _, _ = _minicpmv_parts({k: v for k, v in config.items()
+                                 if k not in ("audio_config", "tts_config")})
+    apm, projection, tts = _minicpmo_audio_and_tts(config)
+    assert spec.vision is None
+    assert spec.other_params == _count(apm) + _count(projection) + _count(tts)
+    assert spec.param_count == _count(llm) + spec.other_params
+
+
 INTERNVL_TINY = [  # InternViT-6B-like towers too: RMSNorm, q/k norms, no qkv bias
     {"norm_type": "layer_norm", "qk_normalization": False, "qkv_bias": True},
     {"norm_type": "rms_norm", "qk_normalization": True, "qkv_bias": False},
@@ -233,7 +369,7 @@ def test_internvl_language_models_map_as_transformers_converter_maps_them():
     assert not get_entry("internvl2.5-1b").spec.fused_qkv
 
 
-@pytest.mark.parametrize("name", ["minicpm-v-2.6", "internvl2.5-8b"])
+@pytest.mark.parametrize("name", ["minicpm-v-2.6", "minicpm-o-2.6", "internvl2.5-8b"])
 def test_a_local_folder_of_these_configs_reads_as_the_catalog_does(tmp_path, name):
     """Read as data: no --trust-remote-code needed, nothing run."""
     entry = get_entry(name)

@@ -381,6 +381,36 @@ def test_minicpm_internvl_and_firefly_read_what_trains():
     assert f["method"] == "qlora" and f["lora"]["r"] == 64 and f["seq_len"] == 1024
 
 
+def test_minicpm_o_is_counted_as_each_trainer_builds_it(tmp_path):
+    """MiniCPM-V's finetune.py loads MiniCPM-o with init_audio=False, init_tts=False and
+    LLaMA-Factory's patch_config sets init_tts=False: the modules they leave out of the
+    model are left out of the count, and a note says so."""
+    from oomless.check.assemble import resolve
+    from oomless.models.catalog import get_entry
+    from oomless.models.hf_vision_remote import minicpmo_audio_and_tts_params
+
+    whole = get_entry("minicpm-o-2.6").spec
+    audio, tts = minicpmo_audio_and_tts_params(get_entry("minicpm-o-2.6").config)
+    assert whole.other_params == audio + tts > 0
+    opts = CheckOptions(files=(str(CORPUS / "minicpm-v/finetune/finetune_lora.sh"),))
+    reading = read_files(opts)
+    assert reading.run["model"] == "openbmb/MiniCPM-o-2_6"
+    spec = resolve(reading, opts)
+    assert spec.param_count == whole.param_count - audio - tts and spec.vision == whole.vision
+    assert any("finetune.py" in n and f"{audio + tts:,}" in n for n in reading.notes)
+    text = (CORPUS / "llama-factory/qwen2vl_full_sft.yaml").read_text()
+    yaml = tmp_path / "minicpmo_full_sft.yaml"
+    yaml.write_text(text.replace("Qwen/Qwen2-VL-7B-Instruct", "openbmb/MiniCPM-o-2_6")
+                    .replace("template: qwen2_vl", "template: minicpm_o"))
+    opts = CheckOptions(files=(str(yaml),))
+    reading = read_files(opts)
+    assert resolve(reading, opts).param_count == whole.param_count - tts
+    assert any("LLaMA-Factory" in n and f"{tts:,}" in n for n in reading.notes)
+    qwen = CheckOptions(files=(str(CORPUS / "llama-factory/qwen2vl_full_sft.yaml"),))
+    reading = read_files(qwen)
+    assert resolve(reading, qwen) == get_entry("qwen2-vl-7b-instruct").spec  # others unchanged
+
+
 # ---- verdicts against the memory the sources publish ---------------------------------------
 # (script, the memory its source states in its first line, a card it must fit, a card it
 # must not); ms-swift states the peak of each example in the script's first line

@@ -291,9 +291,9 @@ def needs_remote_code(spec: ModelSpec) -> bool:
 
 
 # THUDM/glm-4-9b-chat and glm-4v-9b (chatglm), Qwen/Qwen-7B (qwen), internlm2-chat-7b
-# (internlm2), openbmb MiniCPM(-V), MoE-LLaVA
+# (internlm2), openbmb MiniCPM(-V, -o), MoE-LLaVA
 REMOTE_CODE_MODEL_TYPES = frozenset({"chatglm", "qwen", "internlm", "internlm2", "minicpm",
-                                     "minicpmv", "moe_llava_phi", "moe_llava"})
+                                     "minicpmv", "minicpmo", "moe_llava_phi", "moe_llava"})
 
 
 @dataclass(frozen=True)

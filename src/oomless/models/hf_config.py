@@ -22,8 +22,9 @@ from .structure import checked_against_code, read_structure
 
 # model types the formulas read whose only implementation is the checkpoint's own code
 # (transformers has no class: Qwen-1 QWenLMHeadModel, Baichuan2 BaichuanForCausalLM,
-# MiniCPM-V MiniCPMV; its parts are checked in tests/test_catalog_params.py)
-REMOTE_CODE_ONLY = frozenset({"qwen", "baichuan", "minicpmv"})
+# MiniCPM-V MiniCPMV, MiniCPM-o MiniCPMO; their parts are checked in
+# tests/test_catalog_params.py and tests/test_catalog_remote_vlm.py)
+REMOTE_CODE_ONLY = frozenset({"qwen", "baichuan", "minicpmv", "minicpmo"})
 
 __all__ = ["buildable_hf_config", "chatglm_to_glm", "spec_from_hf_config"]
 
@@ -90,6 +91,8 @@ def _read_spec(config: dict[str, Any], name: str, where: str | None) -> ModelSpe
         return hf_vision_remote.internvl_chat_spec(f, name)
     if model_type == "minicpmv":
         return hf_vision_remote.minicpmv_spec(f, name)
+    if model_type == "minicpmo":
+        return hf_vision_remote.minicpmo_spec(f, name)
     if model_type.startswith(("moe_llava", "llava")):  # LLaVA repo formats (mm_vision_tower)
         return hf_vision.moe_llava_spec(f, name, model_type)
     return decoder_spec(f, name, model_type)

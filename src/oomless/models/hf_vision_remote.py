@@ -1,4 +1,6 @@
-"""Vision-language models whose code ships with the checkpoint: InternVL and MiniCPM-V.
+"""Vision-language models whose code ships with the checkpoint: InternVL, MiniCPM-V and
+MiniCPM-o (MiniCPM-V's language model, tower and resampler plus a Whisper audio encoder and
+a ChatTTS speech decoder).
 
 Neither is built here (their code is not run); each module's parameters are summed from
 the shapes the released code builds, cited per function, and tests/test_catalog_params.py
@@ -182,7 +184,13 @@ def minicpmv_spec(f: ConfigFields, name: str) -> ModelSpec:
             f"{f.where}: MiniCPM-V config.json 'version' is {version or 'missing'}; the "
             f"formulas of oomless read releases {', '.join(sorted(_MINICPMV_LM))} (each "
             "builds a different language model).")
-    text = decoder_spec(f, name, _MINICPMV_LM[version])
+    spec = _with_minicpm_vision(f, decoder_spec(f, name, _MINICPMV_LM[version]))
+    return replace(spec, model_type="minicpmv", architecture="MiniCPMV")
+
+
+def _with_minicpm_vision(f: ConfigFields, text: ModelSpec) -> ModelSpec:
+    """``text`` with MiniCPM-V's vpm and resampler (init_vision_module and init_resampler,
+    the same in modeling_minicpmv.py and MiniCPM-o's modeling_minicpmo.py)."""
     v = f.sub("vision_config")
     # configuration_minicpm.py MiniCPMVConfig: drop_vision_last_layer defaults to True
     dropped = bool(f.get("drop_vision_last_layer", True))
@@ -205,5 +213,112 @@ def minicpmv_spec(f: ConfigFields, name: str) -> ModelSpec:
         "is sized in the weights; its activations are counted as a projector's"]
     if "drop_vision_last_layer" not in f.config:
         notes.append("drop_vision_last_layer not set: MiniCPMVConfig's default (True) used")
-    return replace(text, model_type="minicpmv", architecture="MiniCPMV", vision=vision,
-                   assumptions=tuple(notes))
+    return replace(text, vision=vision, assumptions=tuple(notes))
+
+
+# ---- MiniCPM-o (model_type minicpmo) -------------------------------------------------
+# modeling_minicpmo.py of openbmb/MiniCPM-o-2_6 (as copied in tenstorrent/tt-metal
+# models/experimental/minicpm_o_2_6/reference_pytorch/minicpm_official/, commit
+# 11f79439b8e8d84ec5e99cd982f2e682809c17a0): MiniCPMO.__init__ builds llm =
+# Qwen2ForCausalLM(config), then vpm + resampler if init_vision, apm (MiniCPMWhisperEncoder)
+# + audio_projection_layer if init_audio, tts (ConditionalChatTTS) if init_tts; its
+# configuration_minicpm.py MiniCPMOConfig (same copy) defaults all three to True and
+# drop_vision_last_layer to True. ConditionalChatTTSConfig's defaults, which tts_config
+# overrides key by key (the release's sets llm_dim only; the counts measured on it confirm
+# the rest, tests/test_catalog_remote_vlm.py):
+_CHATTTS_DEFAULTS = {"llm_dim": 2560, "hidden_size": 768, "intermediate_size": 3072,
+                     "num_hidden_layers": 20, "num_audio_tokens": 626,
+                     "num_text_tokens": 21178, "num_vq": 4, "use_mlp": True}
+# transformers WhisperConfig defaults (MiniCPMOConfig builds WhisperConfig(**audio_config))
+# for the keys an audio_config leaves out; the release's leaves out the last two
+_WHISPER_DEFAULTS = {"d_model": 384, "encoder_layers": 4, "encoder_ffn_dim": 1536,
+                     "num_mel_bins": 80, "max_source_positions": 1500}
+# LlamaConfig's default vocab_size: ConditionalChatTTS builds LlamaModel(LlamaConfig(...))
+# without one, so its embed_tokens has 32000 rows (unused; the checkpoint holds them)
+_LLAMA_DEFAULT_VOCAB = 32000
+
+
+def _whisper_encoder_params(a: dict[str, Any]) -> int:
+    """transformers' WhisperEncoder (MiniCPMWhisperEncoder subclasses it; its layers add no
+    parameter): conv1 (mel bins -> d, kernel 3) and conv2 (d -> d, kernel 3) with bias,
+    embed_positions max_source_positions x d; per layer q/v/out_proj with bias, k_proj
+    without, fc1/fc2 with bias and two LayerNorms; a final LayerNorm."""
+    w = _WHISPER_DEFAULTS | a
+    d, ffn, mel = int(w["d_model"]), int(w["encoder_ffn_dim"]), int(w["num_mel_bins"])
+    per_layer = 3 * _linear(d, d) + d * d + _linear(d, ffn) + _linear(ffn, d) + 2 * 2 * d
+    convs = mel * d * 3 + d + d * d * 3 + d
+    return (convs + int(w["max_source_positions"]) * d + int(w["encoder_layers"]) * per_layer
+            + 2 * d)
+
+
+def _chattts_dvae_params() -> int:
+    """ConditionalChatTTS's DVAE() (borrowed from 2noise/ChatTTS ChatTTS/model/dvae.py; no
+    argument, fixed shapes): coef (100), downsample_conv Conv1d(100, 512, 3) and
+    Conv1d(512, 512, 4); encoder and decoder DVAEDecoder(idim 512, hidden 256, bn_dim 128,
+    12 ConvNeXtBlocks of dwconv kernel 7, LayerNorm, pwconv 256 <-> 1024, coef) with
+    odim 1024 and 512; out_conv Conv1d(512, 100, 3) without bias; vq_layer GFSQ(dim 1024,
+    levels (5, 5, 5, 5), G 2, R 2): vector_quantize_pytorch GroupedResidualFSQ, each of the
+    2 groups a ResidualFSQ(dim 512) with project_in Linear(512, 4), project_out Linear(4, 512)."""
+    def conv(c_in: int, c_out: int, k: int, bias: bool = True) -> int:
+        return c_in * c_out * k + (c_out if bias else 0)
+
+    # ConvNeXtBlock(256, 1024): depthwise Conv1d (groups=dim: 1 input channel per filter)
+    block = conv(1, 256, 7) + 2 * 256 + _linear(256, 1024) + _linear(1024, 256) + 256
+    stem = conv(512, 128, 3) + conv(128, 256, 3) + 12 * block
+    coders = (stem + conv(256, 1024, 1, bias=False)) + (stem + conv(256, 512, 1, bias=False))
+    vq = 2 * (_linear(512, 4) + _linear(4, 512))
+    return 100 + conv(100, 512, 3) + conv(512, 512, 4) + coders + conv(512, 100, 3, False) + vq
+
+
+def _chattts_params(tts: dict[str, Any]) -> int:
+    """ConditionalChatTTS: projector (MultiModalProjector llm_dim -> hidden -> hidden with
+    biases, or a bias-free Linear without use_mlp), emb_code num_vq x Embedding(audio
+    tokens, hidden), emb_text Embedding(text tokens, hidden), head_code num_vq
+    weight_norm(Linear(hidden, audio tokens, bias=False)) (weight_g and weight_v), the DVAE
+    and LlamaModel(hidden, intermediate, heads, layers; vocab and KV heads LlamaConfig's
+    defaults)."""
+    t = _CHATTTS_DEFAULTS | tts
+    h, audio, vq = int(t["hidden_size"]), int(t["num_audio_tokens"]), int(t["num_vq"])
+    llm_dim, inter = int(t["llm_dim"]), int(t["intermediate_size"])
+    projector = _linear(llm_dim, h) + _linear(h, h) if t["use_mlp"] else llm_dim * h
+    heads = vq * (audio + audio * h)
+    llama = (_LLAMA_DEFAULT_VOCAB * h + h
+             + int(t["num_hidden_layers"]) * (4 * h * h + 3 * h * inter + 2 * h))
+    return (projector + vq * audio * h + int(t["num_text_tokens"]) * h + heads
+            + _chattts_dvae_params() + llama)
+
+
+def minicpmo_audio_and_tts_params(config: dict[str, Any]) -> tuple[int, int]:
+    """(apm + audio_projection_layer, tts) parameters MiniCPMO builds from ``config``
+    (0 where init_audio / init_tts is false). audio_projection_layer is a
+    MultiModalProjector(encoder_ffn_dim // 4 -> hidden_size -> hidden_size, biases)."""
+    audio = tts = 0
+    if config.get("init_audio", True):
+        a = config.get("audio_config") or {}
+        width = int((_WHISPER_DEFAULTS | a)["encoder_ffn_dim"]) // 4
+        hidden = int(config["hidden_size"])
+        audio = _whisper_encoder_params(a) + _linear(width, hidden) + _linear(hidden, hidden)
+    if config.get("init_tts", True):
+        tts = _chattts_params(config.get("tts_config") or {})
+    return audio, tts
+
+
+def minicpmo_spec(f: ConfigFields, name: str) -> ModelSpec:
+    """MiniCPM-o 2.6 (modeling_minicpmo.py MiniCPMO): Qwen2ForCausalLM, MiniCPM-V's vpm and
+    resampler, and the audio encoder and TTS its init_* keys build, in other_params."""
+    text = decoder_spec(f, name, "qwen2")
+    spec = _with_minicpm_vision(f, text) if f.get("init_vision", True) else text
+    audio, tts = minicpmo_audio_and_tts_params(f.config)
+    notes = list(spec.assumptions)
+    parts = [part for part, n in ((f"audio encoder and projection ({audio:,} parameters, "
+                                   "init_audio)", audio),
+                                  (f"speech decoder ({tts:,} parameters, init_tts)", tts)) if n]
+    if parts:
+        notes.append(
+            f"MiniCPM-o's {' and '.join(parts)} counted in the weights, as config.json builds "
+            "them (MiniCPMOConfig: true unless set); their activations are not modelled (no "
+            "audio in the data). OpenBMB's finetune.py builds the model with "
+            "init_audio=False, init_tts=False and LLaMA-Factory with init_tts=False (oomless "
+            "check applies both); set those keys in config.json to count another run")
+    return replace(spec, model_type="minicpmo", architecture="MiniCPMO",
+                   other_params=spec.other_params + audio + tts, assumptions=tuple(notes))
