@@ -73,15 +73,19 @@ def _frames(frames: list[dict[str, Any]] | None) -> list[str]:
     return out
 
 
-def replay_recorded(events: list[list[Any]]) -> tuple[int, int]:
-    """(peak allocated, peak reserved) of the allocator model over a recorded stream."""
+def replay_recorded(events: list[list[Any]], device_addresses: bool = True) -> tuple[int, int]:
+    """(peak allocated, peak reserved) of the allocator model over a recorded stream, its
+    segments placed where the device put them (``device_addresses``) or numbered upward
+    as the model does on its own."""
     from oomless.allocator import AllocatorConfig, CachingAllocator
 
     alloc = CachingAllocator(AllocatorConfig())
     live: dict[int, Any] = {}
     previous = None
     for action, addr, size, _ in events:
-        if action == "alloc":
+        if action == "segment_alloc" and device_addresses:
+            alloc.place_next_segment(addr)  # logged just before the alloc that made it
+        elif action == "alloc":
             live[addr] = alloc.malloc(size)
         elif action == "free_completed" and addr in live:
             alloc.free(live.pop(addr))
@@ -139,14 +143,16 @@ def compare() -> None:
              "", "Recorded with `benchmarks/gpu_streams.py record` (torch.cuda.memory history); "
              "GiB; the model replays the GPU's own stream, the trace is this machine's fake-"
              "tensor trace of the same configuration.", "",
-             "| configuration | GPU | measured alloc / reserved | model on the GPU's stream | "
-             "trace alloc / reserved |", "|---|---|---|---|---|"]
+             "| configuration | GPU | measured alloc / reserved | model on the GPU's stream "
+             "(device addresses) | the same, model's own addresses | trace alloc / reserved |",
+             "|---|---|---|---|---|---|"]
     diffs = []
     for path in sorted(STREAMS.glob("*.json.gz")):
         with gzip.open(path, "rt") as f:
             rec = json.load(f)
         measured = rec["measured"]
         model_alloc, model_reserved = replay_recorded(rec["events"])
+        own_alloc, own_reserved = replay_recorded(rec["events"], device_addresses=False)
         traced, trace_events = _trace(rec["config"])
         gpu_events = [("alloc" if a == "alloc" else "free", addr, size)
                       for a, addr, size, _ in rec["events"] if a in ("alloc", "free_completed")]
@@ -156,7 +162,8 @@ def compare() -> None:
             f"| {path.name.removesuffix('.json.gz')} | {rec['gpu']}, torch {rec['torch']} | "
             f"{measured['peak_allocated_bytes'] / gib:.3f} / "
             f"{measured['peak_reserved_bytes'] / gib:.3f} | {model_alloc / gib:.3f} / "
-            f"{model_reserved / gib:.3f} | {traced.peak_allocated_bytes / gib:.3f} / "
+            f"{model_reserved / gib:.3f} | {own_alloc / gib:.3f} / {own_reserved / gib:.3f} | "
+            f"{traced.peak_allocated_bytes / gib:.3f} / "
             f"{traced.peak_reserved_bytes / gib:.3f} |")
         diffs.append((path.name, sorted(((size, g[size], t[size]) for size in set(g) | set(t)
                                          if g[size] != t[size]), reverse=True)))

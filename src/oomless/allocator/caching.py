@@ -206,6 +206,13 @@ class CachingAllocator:
         self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
         self.num_device_alloc += 1
 
+    def place_next_segment(self, address: int) -> None:
+        """Put the next segment at ``address``, where the device put it in a recorded
+        stream. The driver's choice of addresses (it reuses released ranges, not always
+        upward) decides best-fit ties between free blocks of equal size; without this the
+        model numbers its segments upward."""
+        self._next_addr = address
+
     def _alloc_block(self, pool: _Pool, size: int, retry: bool = False) -> _Block | None:
         if retry:
             self.num_alloc_retries += 1

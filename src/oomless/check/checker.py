@@ -105,17 +105,21 @@ class CheckResult:
 
 def phase_device_bytes(spec: ModelSpec, cfg: RunConfig, cluster: Cluster) -> dict[str, int]:
     """Predicted device bytes (nvidia-smi) at each phase's own peak."""
-    from ..memory.overheads import allocator_reserve_bytes, non_pytorch_bytes
+    from ..memory.overheads import (
+        allocator_reserve_bytes,
+        late_dense_block_bytes,
+        non_pytorch_bytes,
+    )
     from ..memory.training import largest_block_bytes, training_phases
 
     phases, persistent, _st = training_phases(spec, cfg, cluster)
-    block = largest_block_bytes(spec, cfg)
+    block, late = largest_block_bytes(spec, cfg), late_dense_block_bytes(spec, cfg)
     fixed = sum(persistent.values())
     non_pt = sum(non_pytorch_bytes(cluster, cfg.world_size).values())
     out = {}
     for phase, parts in phases.items():
         alloc = sum(parts.values())
-        out[phase] = alloc + allocator_reserve_bytes(alloc, fixed, False, block) + non_pt
+        out[phase] = alloc + allocator_reserve_bytes(alloc, fixed, False, block, late) + non_pt
     return out
 
 

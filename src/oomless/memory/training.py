@@ -39,7 +39,7 @@ from .gemma import (
 from .loss_paths import largest_logits_block_bytes
 from .loss_paths import logits_bytes as stack_logits_bytes
 from .moe_lora import merged_expert_saved_bytes, moe_lora_assumptions
-from .overheads import finish_estimate
+from .overheads import finish_estimate, late_dense_block_bytes
 from .ppo import PpoKit, ppo_phases
 from .precision import Dtypes, dtypes_for
 from .quantized import quantization_assumptions, saved_dequant_bytes, transient_dequant_bytes
@@ -329,8 +329,8 @@ def estimate_training(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None =
         spec=spec, cfg=cfg, cluster=cluster, phases=phases, persistent=gpu_state,
         trainable=st.trainable_params, host_bytes=st.host_bytes, paged_bytes=st.paged_bytes,
         assumptions=assumptions, expandable_segments=expandable_segments,
-        largest_block=largest_block_bytes(spec, cfg), extra=extra,
-    )
+        largest_block=largest_block_bytes(spec, cfg), late_block=late_dense_block_bytes(spec, cfg),
+        extra=extra)
 
 
 def training_phases(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = None,

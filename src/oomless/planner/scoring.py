@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..config import RunConfig
 from ..memory.band import band_bytes
-from ..memory.overheads import peak_bytes
+from ..memory.overheads import late_dense_block_bytes, peak_bytes
 from ..memory.precision import dtypes_for
 from ..memory.states import States, decoder_linear_weight_params, model_states, weight_bytes
 from ..memory.training import largest_block_bytes, llm_seq_len, training_phases
@@ -63,7 +63,8 @@ class CandidateScorer:
         phases, persistent, st = training_phases(self.spec, cfg, self.cluster, states)
         phase, alloc, reserve, non_pt = peak_bytes(phases, persistent, self.cluster,
                                                    cfg.world_size, False,
-                                                   largest_block_bytes(self.spec, cfg))
+                                                   largest_block_bytes(self.spec, cfg),
+                                                   late_dense_block_bytes(self.spec, cfg))
         device = alloc + reserve + sum(non_pt.values())
         host_short = 0
         if st.host_bytes and self.req.host_ram_bytes:
