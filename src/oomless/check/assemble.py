@@ -127,7 +127,8 @@ def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
                              "(--model)")
     try:
         resolved = resolve_model(str(model))
-        return as_the_trainer_builds(resolved.spec, resolved.original_config, reading)
+        return as_the_trainer_builds(resolved.spec, resolved.original_config, reading,
+                                     family_of(resolved.spec, resolved.entry))
     except UnknownModelError as err:
         entry = find_entry(Path(str(model)).name)
         if entry is None or not str(model).startswith((".", "/", "~")):
@@ -140,40 +141,40 @@ def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
     reading.notes.append(f"'{model}' is not on this machine: read as the catalog model "
                          f"{entry.name} of the same name (--model to choose another)")
     reading.run["model"] = entry.name
-    return as_the_trainer_builds(entry.spec, entry.config, reading)
+    return as_the_trainer_builds(entry.spec, entry.config, reading, entry.family)
 
 
-# What each trainer builds of MiniCPM-o (modeling_minicpmo.py MiniCPMO builds vpm, apm and
-# tts only with init_vision / init_audio / init_tts, all true by default), by script tool
-# (facts["script_tool"]) or stack: OpenBMB/MiniCPM-V finetune/finetune.py (commit
-# 53c0174797d9b6505a91122ee5f59fb20a4cabc9) loads it with init_vision=True,
-# init_audio=False, init_tts=False; LLaMA-Factory src/llamafactory/model/patcher.py
-# patch_config (commit ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30) sets init_audio=True,
-# init_tts=False for model_type minicpmo.
-_MINICPMO_BUILT = {
-    "minicpm-v": ("OpenBMB's finetune.py",
-                  {"init_vision": True, "init_audio": False, "init_tts": False}),
-    "llamafactory": ("LLaMA-Factory", {"init_audio": True, "init_tts": False}),
-}
+def family_of(spec: ModelSpec, entry: Any) -> str | None:
+    """The catalog family of the checked model: its catalog entry's, else the one catalog
+    family of its model_type (a local config.json)."""
+    from ..models.families import family_of_model_type
+
+    return entry.family if entry is not None and entry.family else family_of_model_type(
+        spec.model_type)
 
 
 def as_the_trainer_builds(spec: ModelSpec, config: dict[str, Any] | None,
-                          reading: Reading) -> ModelSpec:
-    """``spec`` as the file's trainer loads it: MiniCPM-o without the modules its
-    from_pretrained call leaves out (_MINICPMO_BUILT); any other model unchanged."""
+                          reading: Reading, family: str | None) -> ModelSpec:
+    """``spec`` as the file's trainer loads it: the config values the trainer's
+    from_pretrained call passes (families.json ``trainer_builds`` of the family, by script
+    tool or stack: MiniCPM-o built without the modules its init_* flags leave out); any
+    other model unchanged."""
     from dataclasses import replace
 
+    from ..models.families import family_facts
     from ..models.hf_config import spec_from_hf_config
 
+    facts = family_facts(family or "")
     trainer = reading.facts.get("script_tool") or reading.run.get("stack")
-    row = _MINICPMO_BUILT.get(str(trainer))
-    if spec.model_type != "minicpmo" or config is None or row is None:
+    row = (facts.trainer_builds or {}).get(str(trainer)) if facts else None
+    if config is None or row is None:
         return spec
-    who, flags = row
+    flags = row["config"]
     built = spec_from_hf_config(config | flags, spec.name, where=f"model '{spec.name}'")
     left_out = spec.param_count - built.param_count
     if left_out:
         given = ", ".join(f"{k}={v}" for k, v in flags.items())
-        reading.notes.append(f"MiniCPM-o as {who} loads it ({given}): the {left_out:,} "
-                             "parameters of the modules it does not build are not counted")
+        reading.notes.append(f"{spec.name} as {row['who']} loads it ({given}): the "
+                             f"{left_out:,} parameters of the modules it does not build are "
+                             "not counted")
     return replace(built, aliases=spec.aliases)
