@@ -12,12 +12,11 @@ from __future__ import annotations
 import pytest
 
 from oomless.config import RunConfig
-from oomless.models.catalog import list_models
+from oomless.models.catalog import family_of_model_type, list_models
 from oomless.models.families import (
     OPTIONAL_KEYS,
     ROW_KEYS,
     family_facts,
-    family_of_model_type,
     family_rows,
     tower_kinds,
 )

@@ -67,6 +67,7 @@ def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: Mod
     if run.get("precision") == "bf16" and not cluster.gpu.bf16:
         run["precision"] = "fp16"  # bf16: auto / a card without bf16: the tools fall back
     _lora_targets(run, spec, reading)
+    _saved_modules(run, spec, reading)
     if run.get("attn", "sdpa") == "sdpa" and not spec.sdpa_supported:
         run["attn"] = "eager"  # the model's code has no SDPA path (spec assumptions say why)
         reading.notes.append(f"{spec.name}'s code has no SDPA path: its attention runs eager "
@@ -111,6 +112,36 @@ def _lora_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> Non
         run["lora"] = {**run["lora"], "targets": kept}
 
 
+def _saved_modules(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> None:
+    """The modules a tool's code trains next to LoRA (PEFT modules_to_save: a trainable
+    copy of each, facts["modules_to_save"]), read against the model's parts (families.json
+    ``module_parts``): a whole vision tower cannot be told (the estimate trains a tower with
+    LoRA or not at all); the others are said, not counted."""
+    from ..errors import CannotTellError
+    from ..models.families import family_facts
+
+    saved = reading.facts.get("modules_to_save")
+    if not saved or run.get("method") not in ("lora", "qlora"):
+        return
+    facts = family_facts(str(reading.facts.get("family") or ""))
+    others = (facts.module_parts or {}).get("others", {}) if facts else {}
+    names = saved["names"]
+    tower = [n for n in names if others.get(f"{n}.") == "vision tower"]
+    if tower and spec.vision is not None:
+        flags = sorted({f"--{saved['added_by'][n]} false" for n in tower if n in saved["added_by"]})
+        raise CannotTellError(
+            f"can't tell what the vision tower costs: {saved['who']} trains {spec.name}'s whole "
+            f"vision tower next to LoRA (PEFT modules_to_save {names}: a trainable copy of "
+            f"{', '.join(tower)}, its gradients and optimizer states, every tower layer's "
+            "activations); oomless models a tower trained with LoRA or frozen, not a fully "
+            "trained one next to LoRA. The run with the tower frozen can be checked"
+            + (f" ({', '.join(flags)})" if flags else ""))
+    reading.assumptions.append(
+        f"{saved['who']} trains {', '.join(names)} next to LoRA (PEFT modules_to_save: a "
+        "trainable copy of each): the copies, their gradients and optimizer states are not "
+        "counted")
+
+
 def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
     """The model's spec. A local folder that is not on this machine ('./Qwen2.5-7B-Instruct')
     is read as the catalog model of the same name, with a note."""
@@ -127,8 +158,9 @@ def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
                              "(--model)")
     try:
         resolved = resolve_model(str(model))
+        reading.facts["family"] = family_of(resolved.spec, resolved.entry)
         return as_the_trainer_builds(resolved.spec, resolved.original_config, reading,
-                                     family_of(resolved.spec, resolved.entry))
+                                     reading.facts["family"])
     except UnknownModelError as err:
         entry = find_entry(Path(str(model)).name)
         if entry is None or not str(model).startswith((".", "/", "~")):
@@ -141,13 +173,14 @@ def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
     reading.notes.append(f"'{model}' is not on this machine: read as the catalog model "
                          f"{entry.name} of the same name (--model to choose another)")
     reading.run["model"] = entry.name
+    reading.facts["family"] = entry.family
     return as_the_trainer_builds(entry.spec, entry.config, reading, entry.family)
 
 
 def family_of(spec: ModelSpec, entry: Any) -> str | None:
     """The catalog family of the checked model: its catalog entry's, else the one catalog
     family of its model_type (a local config.json)."""
-    from ..models.families import family_of_model_type
+    from ..models.catalog import family_of_model_type
 
     return entry.family if entry is not None and entry.family else family_of_model_type(
         spec.model_type)

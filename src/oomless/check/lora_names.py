@@ -25,7 +25,14 @@ VISION_WORDS = ("vision", "visual", "vit", "image", "audio")
 PROJECTOR_WORDS = ("projector", "merger", "mm_proj", "aligner")
 
 
-def _model_tree(model: str) -> tuple[str, ...] | None:
+def _model_tree(model: str, family: str | None
+                ) -> tuple[tuple[str, ...] | None, dict[str, str]]:
+    """(full names of the model's linear modules, or None where they cannot be listed;
+    prefix -> part of the modules outside that list). The whole model built on the meta
+    device lists everything; a remote-code model that cannot be built here but whose
+    family row says where its code puts a transformers language model (families.json
+    ``module_parts``: MiniCPM-V's ``llm.``) lists that language model, prefixed, and
+    leaves the other parts (``vpm.``, ``resampler.``) as prefixes."""
     from ..api import resolve_model
     from ..errors import OomlessError
     from ..models.structure import linear_module_names
@@ -33,13 +40,40 @@ def _model_tree(model: str) -> tuple[str, ...] | None:
     try:
         resolved = resolve_model(model)
     except OomlessError:
-        return None
+        return None, {}
     source = resolved.source
     folder = None
     if source.startswith(("file:", "hf-cache:")):
         path = Path(source.split(":", 1)[1])
         folder = path if path.is_dir() else path.parent
-    return linear_module_names(resolved.hf_config, folder)
+    names = linear_module_names(resolved.hf_config, folder)
+    parts = _module_parts(family)
+    if names is not None or parts is None or resolved.original_config is None:
+        return names, {}
+    language = parts["language"]
+    config = {k: v for k, v in resolved.original_config.items()
+              if k not in ("auto_map", "architectures")} | {"model_type": language["model_type"]}
+    text = linear_module_names(config, None)
+    if text is None:
+        return None, {}
+    return tuple(language["prefix"] + n for n in text), dict(parts["others"])
+
+
+def _module_parts(family: str | None) -> dict[str, Any] | None:
+    from ..models.families import family_facts
+
+    facts = family_facts(family or "")
+    return facts.module_parts if facts else None
+
+
+def _parts_reached(targets: str, others: dict[str, str]) -> list[str]:
+    """The parts (by prefix) under which the expression can match some module name: the
+    prefix is the start of a string the expression fullmatches (``regex`` partial
+    matching), so a part it cannot reach is proven out without listing its modules."""
+    import regex
+
+    return [f"{prefix} ({part})" for prefix, part in others.items()
+            if regex.fullmatch(targets, prefix, partial=True) is not None]
 
 
 def split_by_part(names: tuple[str, ...]) -> dict[str, list[str]]:
@@ -95,11 +129,16 @@ def resolve_regex_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading
     except re.error as err:
         raise ConfigError(f"LoRA target_modules '{targets}' is not a valid regular "
                           f"expression ({err}); PEFT compiles it with re.fullmatch") from None
-    names = _model_tree(str(run.get("model")))
+    names, others = _model_tree(str(run.get("model")), reading.facts.get("family"))
     if names is None:
         raise _refuse(targets, spec, f"oomless cannot build {spec.name}'s module tree here "
                       "(its code ships with the checkpoint: a local model folder with "
                       "--trust-remote-code builds it)")
+    reached = _parts_reached(targets, others)
+    if reached:
+        raise _refuse(targets, spec, f"it can match module names under {', '.join(reached)}, "
+                      f"which {spec.name}'s own code builds and oomless cannot list without it "
+                      "(a local model folder with --trust-remote-code builds the whole tree)")
     parts = split_by_part(tuple(n for n in names if pattern.fullmatch(n)))
     if not any(parts.values()):
         raise ConfigError(f"LoRA target_modules '{targets}' matches no linear module of "
@@ -122,6 +161,8 @@ def resolve_regex_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading
     if spec.vision is not None and not frozen:  # nothing froze it: the expression decides
         run["vision"] = {**(run.get("vision") or {}), "freeze_tower": not tower}
     counts = ", ".join(f"{len(v)} {k}" for k, v in parts.items() if v)
-    reading.notes.append(f"LoRA target_modules '{targets}' (re.fullmatch on the module names "
-                         f"of {spec.name} built on the meta device): {counts} linears "
-                         f"({', '.join(language)})")
+    built = (f"the module names of {spec.name} built on the meta device" if not others else
+             f"{spec.name}'s language model built on the meta device; the expression can "
+             f"match no name under {', '.join(others)}")
+    reading.notes.append(f"LoRA target_modules '{targets}' (re.fullmatch on {built}): "
+                         f"{counts} linears ({', '.join(language)})")

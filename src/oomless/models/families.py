@@ -56,15 +56,6 @@ def family_facts(family: str) -> FamilyFacts | None:
     return family_rows().get(family)
 
 
-def family_of_model_type(model_type: str) -> str | None:
-    """The catalog family of a ``model_type`` (a local config.json of a catalog family),
-    or None where the catalog has no model of that type or several families share it."""
-    from .catalog import list_models
-
-    families = {e.family for e in list_models() if e.spec.model_type == model_type}
-    return families.pop() if len(families) == 1 else None
-
-
 def tower_checkpointed(kind: str) -> bool:
     """Whether a tower of this kind checkpoints its layers under the model's
     ``gradient_checkpointing_enable()`` (families.json ``vision_towers``); a kind
