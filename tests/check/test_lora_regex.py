@@ -187,3 +187,21 @@ def test_a_python_script_hands_peft_its_string_as_a_regex(tmp_path):
     listed = check(CheckOptions(files=(str(script),), gpu="a100-80gb", seq_len=512))
     assert sorted(listed.config["lora"]["targets"]) == ["down_proj", "up_proj"]
     assert regex.phase_device_bytes == listed.phase_device_bytes
+
+
+def test_parts_are_told_by_the_familys_prefixes_where_no_vision_word_marks_them():
+    """MiniCPM-V's tower is ``vpm.``: no vision word in its names; the family row's
+    module_parts says which part each prefix is (a tree built from a local folder with
+    --trust-remote-code has these names)."""
+    from oomless.check.lora_names import _prefixes, split_by_part
+
+    names = ("llm.model.layers.0.self_attn.q_proj", "vpm.encoder.layers.0.self_attn.q_proj",
+             "resampler.kv_proj", "apm.layers.0.self_attn.q_proj", "llm.lm_head")
+    by_words = split_by_part(names)
+    assert "vpm.encoder.layers.0.self_attn.q_proj" in by_words["language"]
+    parts = split_by_part(names, _prefixes("minicpm-o"))
+    assert parts["language"] == ["llm.model.layers.0.self_attn.q_proj", "llm.lm_head"]
+    assert parts["vision tower"] == ["vpm.encoder.layers.0.self_attn.q_proj"]
+    assert parts["projector"] == ["resampler.kv_proj"]
+    assert parts["audio encoder"] == ["apm.layers.0.self_attn.q_proj"]
+    assert _prefixes("qwen2") == {}  # a family without module_parts: the words decide

@@ -76,15 +76,29 @@ def _parts_reached(targets: str, others: dict[str, str]) -> list[str]:
             if regex.fullmatch(targets, prefix, partial=True) is not None]
 
 
-def split_by_part(names: tuple[str, ...]) -> dict[str, list[str]]:
-    """Matched module names by the part of the model they sit in."""
+def split_by_part(names: tuple[str, ...], prefixes: dict[str, str] | None = None
+                  ) -> dict[str, list[str]]:
+    """Matched module names by the part of the model they sit in: by the family's
+    ``module_parts`` prefixes where its row has them (MiniCPM-V's ``vpm.`` is its vision
+    tower, a name no vision word marks), else by the words towers and projectors use."""
     out: dict[str, list[str]] = {"language": [], "vision tower": [], "projector": []}
     for name in names:
         low = name.lower()
-        part = ("projector" if any(w in low for w in PROJECTOR_WORDS) else
-                "vision tower" if any(w in low for w in VISION_WORDS) else "language")
-        out[part].append(name)
+        by_prefix = next((part for p, part in (prefixes or {}).items() if name.startswith(p)),
+                         None)
+        part = by_prefix or ("projector" if any(w in low for w in PROJECTOR_WORDS) else
+                             "vision tower" if any(w in low for w in VISION_WORDS) else
+                             "language")
+        out.setdefault(part, []).append(name)
     return out
+
+
+def _prefixes(family: str | None) -> dict[str, str]:
+    """prefix -> part, from the family's ``module_parts`` (empty without a row)."""
+    parts = _module_parts(family)
+    if not parts:
+        return {}
+    return {parts["language"]["prefix"]: "language", **parts["others"]}
 
 
 def _refuse(targets: str, spec: ModelSpec, why: str) -> CannotTellError:
@@ -105,6 +119,17 @@ def _refuse_partial(targets: str, spec: ModelSpec, matched: list[str],
         if hit != total:
             raise _refuse(targets, spec, f"it reaches {hit} of the {total} '{last}' modules of "
                           "the language model, and oomless models LoRA on every layer")
+
+
+def _refuse_unmodelled(targets: str, spec: ModelSpec, parts: dict[str, list[str]]) -> None:
+    """LoRA in a part the estimate has no model of (MiniCPM-o's audio encoder, speech
+    decoder): it cannot tell."""
+    unmodelled = {k: v for k, v in parts.items()
+                  if v and k not in ("language", "vision tower", "projector")}
+    if unmodelled:
+        raise _refuse(targets, spec, "it reaches " + ", ".join(
+            f"{len(v)} linears of the {k}" for k, v in unmodelled.items())
+            + ", which oomless does not model")
 
 
 def _tower_reached(spec: ModelSpec, run: dict[str, Any], targets: list[str]) -> set[str]:
@@ -129,7 +154,8 @@ def resolve_regex_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading
     except re.error as err:
         raise ConfigError(f"LoRA target_modules '{targets}' is not a valid regular "
                           f"expression ({err}); PEFT compiles it with re.fullmatch") from None
-    names, others = _model_tree(str(run.get("model")), reading.facts.get("family"))
+    family = reading.facts.get("family")
+    names, others = _model_tree(str(run.get("model")), family)
     if names is None:
         raise _refuse(targets, spec, f"oomless cannot build {spec.name}'s module tree here "
                       "(its code ships with the checkpoint: a local model folder with "
@@ -139,10 +165,13 @@ def resolve_regex_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading
         raise _refuse(targets, spec, f"it can match module names under {', '.join(reached)}, "
                       f"which {spec.name}'s own code builds and oomless cannot list without it "
                       "(a local model folder with --trust-remote-code builds the whole tree)")
-    parts = split_by_part(tuple(n for n in names if pattern.fullmatch(n)))
+    prefixes = _prefixes(family)
+    parts = split_by_part(tuple(n for n in names if pattern.fullmatch(n)), prefixes)
     if not any(parts.values()):
         raise ConfigError(f"LoRA target_modules '{targets}' matches no linear module of "
                           f"{spec.name} (PEFT raises 'Target modules ... not found')")
+    _refuse_unmodelled(targets, spec, parts)
+    _refuse_partial(targets, spec, parts["language"], split_by_part(names, prefixes)["language"])
     language = sorted({n.rsplit(".", 1)[-1] for n in parts["language"]})
     _refuse_partial(targets, spec, parts["language"], split_by_part(names)["language"])
     tower = {_TOWER_ALIASES.get(n.rsplit(".", 1)[-1], n.rsplit(".", 1)[-1])
@@ -160,9 +189,14 @@ def resolve_regex_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading
                           " but oomless models tower LoRA by the language targets' names")
     if spec.vision is not None and not frozen:  # nothing froze it: the expression decides
         run["vision"] = {**(run.get("vision") or {}), "freeze_tower": not tower}
+    reading.notes.append(_note(targets, spec, parts, others, language))
+
+
+def _note(targets: str, spec: ModelSpec, parts: dict[str, list[str]], others: dict[str, str],
+          language: list[str]) -> str:
     counts = ", ".join(f"{len(v)} {k}" for k, v in parts.items() if v)
     built = (f"the module names of {spec.name} built on the meta device" if not others else
              f"{spec.name}'s language model built on the meta device; the expression can "
              f"match no name under {', '.join(others)}")
-    reading.notes.append(f"LoRA target_modules '{targets}' (re.fullmatch on {built}): "
-                         f"{counts} linears ({', '.join(language)})")
+    return (f"LoRA target_modules '{targets}' (re.fullmatch on {built}): {counts} linears "
+            f"({', '.join(language)})")
