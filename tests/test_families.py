@@ -12,8 +12,14 @@ from __future__ import annotations
 import pytest
 
 from oomless.config import RunConfig
-from oomless.models.catalog import list_models
-from oomless.models.families import ROW_KEYS, family_facts, family_rows, tower_kinds
+from oomless.models.catalog import family_of_model_type, list_models
+from oomless.models.families import (
+    OPTIONAL_KEYS,
+    ROW_KEYS,
+    family_facts,
+    family_rows,
+    tower_kinds,
+)
 from oomless.planner.writers import lf_template, llamafactory_config, readme
 
 LLAMAFACTORY_TEMPLATES = frozenset("""
@@ -55,7 +61,7 @@ def test_rows_hold_every_key_and_no_row_is_orphaned():
 
     raw = json.loads(resources.files("oomless.data").joinpath("families.json").read_text())
     for name, row in raw["families"].items():
-        assert set(row) == set(ROW_KEYS), name
+        assert set(ROW_KEYS) <= set(row) <= set(ROW_KEYS) | set(OPTIONAL_KEYS), name
     assert set(family_rows()) == set(CATALOG_FAMILIES)
 
 
@@ -94,3 +100,55 @@ def test_glm4v_tower_is_not_checkpointed_and_hf_towers_are():
     kinds = tower_kinds()
     assert kinds["eva2clip"]["checkpointed"] is False
     assert all(kinds[k]["checkpointed"] for k in ("clip", "qwen2_vl", "qwen2_5_vl"))
+
+
+TRAINER_BUILDS = [(f, t) for f, row in family_rows().items() for t in (row.trainer_builds or {})]
+
+
+@pytest.mark.parametrize(("family", "trainer"), TRAINER_BUILDS)
+def test_every_trainer_builds_row_names_a_trainer_and_keys_the_models_code_reads(family, trainer):
+    """Each trainer_builds row: a script tool of the flag table or a stack, a source, and
+    config keys that change what every catalog model of the family builds (none adds
+    parameters; the row is applied by oomless.check.assemble.as_the_trainer_builds)."""
+    from typing import get_args
+
+    from oomless.check.scripts.flags import TOOLS
+    from oomless.config.sections import Stack
+    from oomless.models.hf_config import spec_from_hf_config
+
+    row = family_rows()[family].trainer_builds[trainer]
+    assert trainer in TOOLS or trainer in get_args(Stack)
+    assert row["who"] and row["source"].startswith("https://github.com/") and row["config"]
+    members = [e for e in list_models() if e.family == family]
+    assert members
+    for entry in members:
+        built = spec_from_hf_config(entry.config | row["config"], entry.name)
+        assert 0 < built.param_count < entry.spec.param_count
+
+
+PARTS = [f for f, row in family_rows().items() if row.module_parts]
+
+
+@pytest.mark.parametrize("family", PARTS)
+def test_every_module_parts_row_builds_its_language_model_from_transformers(family):
+    """module_parts: the language model's prefix and the transformers model type its code
+    builds (the catalog members' text-model parameters match that class's count); the
+    other parts are prefixes of modules, each naming its part."""
+    from oomless.models.hf_config import spec_from_hf_config
+
+    parts = family_rows()[family].module_parts
+    assert parts["language"]["prefix"].endswith(".") and parts["source"]
+    assert all(p.endswith(".") and part for p, part in parts["others"].items())
+    assert family_rows()[family].remote_code
+    for entry in (e for e in list_models() if e.family == family):
+        config = {k: v for k, v in entry.config.items() if k not in ("auto_map", "architectures")}
+        text = spec_from_hf_config(config | {"model_type": parts["language"]["model_type"]},
+                                   entry.name)
+        vision = entry.spec.vision.param_count if entry.spec.vision else 0
+        assert text.param_count + vision + entry.spec.other_params == entry.spec.param_count
+
+
+def test_a_model_type_names_its_family_only_when_one_family_has_it():
+    assert family_of_model_type("minicpmo") == "minicpm-o"
+    assert family_of_model_type("minicpmv") is None  # MiniCPM-V-2.6 and MiniCPM-Llama3-V-2.5
+    assert family_of_model_type("no-such-type") is None

@@ -7,10 +7,14 @@ the module tree of the real transformers class (oomless.runtime.meta.linear_name
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 
 import oomless.runtime.meta  # noqa: F401  (registers the meta-device module lister)
 from oomless.check.checker import CheckOptions, check
+from oomless.cli import main
 from oomless.errors import CannotTellError, ConfigError
 
 RECIPE = """\
@@ -73,3 +77,131 @@ def test_peft_all_linear_reaches_the_vision_tower_when_nothing_freezes_it(tmp_pa
     assert r.lora_reach.startswith("LoRA on 28 language + 32 vision-tower layers")
     text = _check(tmp_path, "all-linear")
     assert text.lora_reach == "LoRA on 24 language layers (all linear layers)"
+
+
+# ---- the same regex read from a launch script's flag (MiniCPM-V finetune.py) ---------------
+# OpenBMB/MiniCPM-V finetune/finetune_lora.sh (tests/fixtures/real_configs/minicpm-v, commit
+# 53c0174797d9b6505a91122ee5f59fb20a4cabc9): --lora_target_modules
+# "llm\..*layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)", --tune_vision true; its
+# finetune.py passes the string to LoraConfig(target_modules=...) and, with tune_vision,
+# modules_to_save ['embed_tokens', 'resampler', 'vpm'].
+MINICPM = Path(__file__).resolve().parents[1] / "fixtures" / "real_configs" / "minicpm-v"
+
+
+def _minicpm(tmp_path, edit=lambda text: text) -> str:
+    shutil.copytree(MINICPM, tmp_path / "minicpm-v")
+    path = tmp_path / "minicpm-v" / "finetune" / "finetune_lora.sh"
+    path.write_text(edit(path.read_text()))
+    return str(path)
+
+
+def _frozen_tower(text: str) -> str:
+    assert text.count("--tune_vision true") == 1
+    return text.replace("--tune_vision true", "--tune_vision false")
+
+
+def test_minicpm_script_regex_reaches_the_language_model_only(tmp_path, monkeypatch):
+    """llm\\. restricts LoRA to the language model: MiniCPM-o's llm is transformers'
+    Qwen2ForCausalLM (families.json module_parts), listed on the meta device; the
+    expression cannot match a name under vpm., resampler. (partial matching)."""
+    path = _minicpm(tmp_path, _frozen_tower)
+    monkeypatch.chdir(Path(path).parent)
+    r = check(CheckOptions(files=(path,), gpu="a100-80gb"))
+    assert r.model == "minicpm-o-2.6"
+    assert r.lora_reach == ("LoRA on 28 language layers (k_proj, o_proj, q_proj, v_proj) "
+                            "(vision tower frozen)")
+    assert r.config["lora"]["targets"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert r.config["vision"]["freeze_tower"] is True
+    note = next(n for n in r.notes if "re.fullmatch" in n)
+    assert "112 language linears" in note and "vision tower" not in note
+    assert "can match no name under vpm., resampler." in note
+    assert any("embed_tokens, resampler next to LoRA" in a and "not counted" in a
+               for a in r.assumptions)
+
+
+def test_minicpm_script_as_published_trains_the_tower_fully_and_cannot_be_told(tmp_path,
+                                                                            monkeypatch, capsys):
+    """--tune_vision true with LoRA: finetune.py puts vpm in modules_to_save (a trainable
+    copy of the whole tower), which the estimate cannot express: exit 2, naming the flag."""
+    path = _minicpm(tmp_path)
+    monkeypatch.chdir(Path(path).parent)
+    assert main(["check", path, "--gpu", "a100-80gb"]) == 2
+    err = capsys.readouterr().err
+    assert "can't tell what the vision tower costs" in err and "--tune_vision false" in err
+    assert "'vpm'" in err and "Traceback" not in err
+
+
+def test_minicpm_default_targets_are_the_regex_of_finetune_py(tmp_path, monkeypatch):
+    """No --lora_target_modules: LoraArguments' default regex (q, k, v of llm's layers)."""
+    def drop(text: str) -> str:
+        line = next(x for x in text.splitlines() if "--lora_target_modules" in x)
+        return _frozen_tower(text.replace(line + "\n", ""))
+
+    path = _minicpm(tmp_path, drop)
+    monkeypatch.chdir(Path(path).parent)
+    r = check(CheckOptions(files=(path,), gpu="a100-80gb"))
+    assert r.config["lora"]["targets"] == ["k_proj", "q_proj", "v_proj"]
+    assert r.lora_reach.startswith("LoRA on 28 language layers (k_proj, q_proj, v_proj)")
+
+
+def test_a_minicpm_regex_that_can_reach_the_tower_cannot_be_told(tmp_path, monkeypatch):
+    """'.*self_attn\\.(q_proj|v_proj)' can match names under vpm. (SigLIP's self_attn):
+    without the checkpoint's code oomless cannot list them, so it says so."""
+    def widen(text: str) -> str:
+        line = next(x for x in text.splitlines() if "--lora_target_modules" in x)
+        return _frozen_tower(text.replace(
+            line, '    --lora_target_modules ".*self_attn\\.(q_proj|v_proj)" \\'))
+
+    path = _minicpm(tmp_path, widen)
+    monkeypatch.chdir(Path(path).parent)
+    with pytest.raises(CannotTellError, match=r"under vpm\. \(vision tower\), resampler\. "
+                       r"\(projector\).*--trust-remote-code"):
+        check(CheckOptions(files=(path,), gpu="a100-80gb"))
+
+
+def test_a_part_is_ruled_out_only_when_no_name_under_it_can_match():
+    from oomless.check.lora_names import _parts_reached
+
+    parts = {"vpm.": "vision tower", "resampler.": "projector"}
+    assert _parts_reached(r"llm\..*layers\.\d+\.self_attn\.(q_proj|k_proj)", parts) == []
+    assert _parts_reached(r".*q_proj", parts) == ["vpm. (vision tower)",
+                                                  "resampler. (projector)"]
+    assert _parts_reached(r"(vpm|llm)\.encoder\..*", parts) == ["vpm. (vision tower)"]
+    assert _parts_reached(r"vp", parts) == []  # a string shorter than the prefix
+
+
+def test_a_python_script_hands_peft_its_string_as_a_regex(tmp_path):
+    """LoraConfig(target_modules="...") is a regular expression (PEFT fullmatches a str);
+    a list is names: both read through the same resolver."""
+    script = tmp_path / "train.py"
+    body = ("from transformers import AutoModelForCausalLM, TrainingArguments\n"
+            "from peft import LoraConfig\n"
+            "model = AutoModelForCausalLM.from_pretrained('Qwen/Qwen2.5-0.5B-Instruct')\n"
+            "config = LoraConfig(r=8, target_modules={targets})\n"
+            "args = TrainingArguments(output_dir='o', per_device_train_batch_size=2, bf16=True)\n")
+    script.write_text(body.format(targets=r"r'model\.layers\.\d+\.mlp\.(up_proj|down_proj)'"))
+    regex = check(CheckOptions(files=(str(script),), gpu="a100-80gb", seq_len=512))
+    assert regex.config["lora"]["targets"] == ["down_proj", "up_proj"]
+    assert any("re.fullmatch" in n for n in regex.notes)
+    script.write_text(body.format(targets="['up_proj', 'down_proj']"))
+    listed = check(CheckOptions(files=(str(script),), gpu="a100-80gb", seq_len=512))
+    assert sorted(listed.config["lora"]["targets"]) == ["down_proj", "up_proj"]
+    assert regex.phase_device_bytes == listed.phase_device_bytes
+
+
+def test_parts_are_told_by_the_familys_prefixes_where_no_vision_word_marks_them():
+    """MiniCPM-V's tower is ``vpm.``: no vision word in its names; the family row's
+    module_parts says which part each prefix is (a tree built from a local folder with
+    --trust-remote-code has these names)."""
+    from oomless.check.lora_names import _prefixes, split_by_part
+
+    names = ("llm.model.layers.0.self_attn.q_proj", "vpm.encoder.layers.0.self_attn.q_proj",
+             "resampler.kv_proj", "apm.layers.0.self_attn.q_proj", "llm.lm_head")
+    by_words = split_by_part(names)
+    assert "vpm.encoder.layers.0.self_attn.q_proj" in by_words["language"]
+    parts = split_by_part(names, _prefixes("minicpm-o"))
+    assert parts["language"] == ["llm.model.layers.0.self_attn.q_proj", "llm.lm_head"]
+    assert parts["vision tower"] == ["vpm.encoder.layers.0.self_attn.q_proj"]
+    assert parts["projector"] == ["resampler.kv_proj"]
+    assert parts["audio encoder"] == ["apm.layers.0.self_attn.q_proj"]
+    assert _prefixes("qwen2") == {}  # a family without module_parts: the words decide

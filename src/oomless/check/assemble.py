@@ -67,6 +67,7 @@ def run_config(reading: Reading, opts: CheckOptions, cluster: Cluster, spec: Mod
     if run.get("precision") == "bf16" and not cluster.gpu.bf16:
         run["precision"] = "fp16"  # bf16: auto / a card without bf16: the tools fall back
     _lora_targets(run, spec, reading)
+    _saved_modules(run, spec, reading)
     if run.get("attn", "sdpa") == "sdpa" and not spec.sdpa_supported:
         run["attn"] = "eager"  # the model's code has no SDPA path (spec assumptions say why)
         reading.notes.append(f"{spec.name}'s code has no SDPA path: its attention runs eager "
@@ -111,6 +112,36 @@ def _lora_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> Non
         run["lora"] = {**run["lora"], "targets": kept}
 
 
+def _saved_modules(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> None:
+    """The modules a tool's code trains next to LoRA (PEFT modules_to_save: a trainable
+    copy of each, facts["modules_to_save"]), read against the model's parts (families.json
+    ``module_parts``): a whole vision tower cannot be told (the estimate trains a tower with
+    LoRA or not at all); the others are said, not counted."""
+    from ..errors import CannotTellError
+    from ..models.families import family_facts
+
+    saved = reading.facts.get("modules_to_save")
+    if not saved or run.get("method") not in ("lora", "qlora"):
+        return
+    facts = family_facts(str(reading.facts.get("family") or ""))
+    others = (facts.module_parts or {}).get("others", {}) if facts else {}
+    names = saved["names"]
+    tower = [n for n in names if others.get(f"{n}.") == "vision tower"]
+    if tower and spec.vision is not None:
+        flags = sorted({f"--{saved['added_by'][n]} false" for n in tower if n in saved["added_by"]})
+        raise CannotTellError(
+            f"can't tell what the vision tower costs: {saved['who']} trains {spec.name}'s whole "
+            f"vision tower next to LoRA (PEFT modules_to_save {names}: a trainable copy of "
+            f"{', '.join(tower)}, its gradients and optimizer states, every tower layer's "
+            "activations); oomless models a tower trained with LoRA or frozen, not a fully "
+            "trained one next to LoRA. The run with the tower frozen can be checked"
+            + (f" ({', '.join(flags)})" if flags else ""))
+    reading.assumptions.append(
+        f"{saved['who']} trains {', '.join(names)} next to LoRA (PEFT modules_to_save: a "
+        "trainable copy of each): the copies, their gradients and optimizer states are not "
+        "counted")
+
+
 def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
     """The model's spec. A local folder that is not on this machine ('./Qwen2.5-7B-Instruct')
     is read as the catalog model of the same name, with a note."""
@@ -127,7 +158,9 @@ def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
                              "(--model)")
     try:
         resolved = resolve_model(str(model))
-        return as_the_trainer_builds(resolved.spec, resolved.original_config, reading)
+        reading.facts["family"] = family_of(resolved.spec, resolved.entry)
+        return as_the_trainer_builds(resolved.spec, resolved.original_config, reading,
+                                     reading.facts["family"])
     except UnknownModelError as err:
         entry = find_entry(Path(str(model)).name)
         if entry is None or not str(model).startswith((".", "/", "~")):
@@ -140,40 +173,41 @@ def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:
     reading.notes.append(f"'{model}' is not on this machine: read as the catalog model "
                          f"{entry.name} of the same name (--model to choose another)")
     reading.run["model"] = entry.name
-    return as_the_trainer_builds(entry.spec, entry.config, reading)
+    reading.facts["family"] = entry.family
+    return as_the_trainer_builds(entry.spec, entry.config, reading, entry.family)
 
 
-# What each trainer builds of MiniCPM-o (modeling_minicpmo.py MiniCPMO builds vpm, apm and
-# tts only with init_vision / init_audio / init_tts, all true by default), by script tool
-# (facts["script_tool"]) or stack: OpenBMB/MiniCPM-V finetune/finetune.py (commit
-# 53c0174797d9b6505a91122ee5f59fb20a4cabc9) loads it with init_vision=True,
-# init_audio=False, init_tts=False; LLaMA-Factory src/llamafactory/model/patcher.py
-# patch_config (commit ff6d4d12eeb035d6ce06805a5733dd7b29f2ac30) sets init_audio=True,
-# init_tts=False for model_type minicpmo.
-_MINICPMO_BUILT = {
-    "minicpm-v": ("OpenBMB's finetune.py",
-                  {"init_vision": True, "init_audio": False, "init_tts": False}),
-    "llamafactory": ("LLaMA-Factory", {"init_audio": True, "init_tts": False}),
-}
+def family_of(spec: ModelSpec, entry: Any) -> str | None:
+    """The catalog family of the checked model: its catalog entry's, else the one catalog
+    family of its model_type (a local config.json)."""
+    from ..models.catalog import family_of_model_type
+
+    return entry.family if entry is not None and entry.family else family_of_model_type(
+        spec.model_type)
 
 
 def as_the_trainer_builds(spec: ModelSpec, config: dict[str, Any] | None,
-                          reading: Reading) -> ModelSpec:
-    """``spec`` as the file's trainer loads it: MiniCPM-o without the modules its
-    from_pretrained call leaves out (_MINICPMO_BUILT); any other model unchanged."""
+                          reading: Reading, family: str | None) -> ModelSpec:
+    """``spec`` as the file's trainer loads it: the config values the trainer's
+    from_pretrained call passes (families.json ``trainer_builds`` of the family, by script
+    tool or stack: MiniCPM-o built without the modules its init_* flags leave out); any
+    other model unchanged."""
     from dataclasses import replace
 
+    from ..models.families import family_facts
     from ..models.hf_config import spec_from_hf_config
 
+    facts = family_facts(family or "")
     trainer = reading.facts.get("script_tool") or reading.run.get("stack")
-    row = _MINICPMO_BUILT.get(str(trainer))
-    if spec.model_type != "minicpmo" or config is None or row is None:
+    row = (facts.trainer_builds or {}).get(str(trainer)) if facts else None
+    if config is None or row is None:
         return spec
-    who, flags = row
+    flags = row["config"]
     built = spec_from_hf_config(config | flags, spec.name, where=f"model '{spec.name}'")
     left_out = spec.param_count - built.param_count
     if left_out:
         given = ", ".join(f"{k}={v}" for k, v in flags.items())
-        reading.notes.append(f"MiniCPM-o as {who} loads it ({given}): the {left_out:,} "
-                             "parameters of the modules it does not build are not counted")
+        reading.notes.append(f"{spec.name} as {row['who']} loads it ({given}): the "
+                             f"{left_out:,} parameters of the modules it does not build are "
+                             "not counted")
     return replace(built, aliases=spec.aliases)

@@ -25,7 +25,14 @@ VISION_WORDS = ("vision", "visual", "vit", "image", "audio")
 PROJECTOR_WORDS = ("projector", "merger", "mm_proj", "aligner")
 
 
-def _model_tree(model: str) -> tuple[str, ...] | None:
+def _model_tree(model: str, family: str | None
+                ) -> tuple[tuple[str, ...] | None, dict[str, str]]:
+    """(full names of the model's linear modules, or None where they cannot be listed;
+    prefix -> part of the modules outside that list). The whole model built on the meta
+    device lists everything; a remote-code model that cannot be built here but whose
+    family row says where its code puts a transformers language model (families.json
+    ``module_parts``: MiniCPM-V's ``llm.``) lists that language model, prefixed, and
+    leaves the other parts (``vpm.``, ``resampler.``) as prefixes."""
     from ..api import resolve_model
     from ..errors import OomlessError
     from ..models.structure import linear_module_names
@@ -33,24 +40,65 @@ def _model_tree(model: str) -> tuple[str, ...] | None:
     try:
         resolved = resolve_model(model)
     except OomlessError:
-        return None
+        return None, {}
     source = resolved.source
     folder = None
     if source.startswith(("file:", "hf-cache:")):
         path = Path(source.split(":", 1)[1])
         folder = path if path.is_dir() else path.parent
-    return linear_module_names(resolved.hf_config, folder)
+    names = linear_module_names(resolved.hf_config, folder)
+    parts = _module_parts(family)
+    if names is not None or parts is None or resolved.original_config is None:
+        return names, {}
+    language = parts["language"]
+    config = {k: v for k, v in resolved.original_config.items()
+              if k not in ("auto_map", "architectures")} | {"model_type": language["model_type"]}
+    text = linear_module_names(config, None)
+    if text is None:
+        return None, {}
+    return tuple(language["prefix"] + n for n in text), dict(parts["others"])
 
 
-def split_by_part(names: tuple[str, ...]) -> dict[str, list[str]]:
-    """Matched module names by the part of the model they sit in."""
+def _module_parts(family: str | None) -> dict[str, Any] | None:
+    from ..models.families import family_facts
+
+    facts = family_facts(family or "")
+    return facts.module_parts if facts else None
+
+
+def _parts_reached(targets: str, others: dict[str, str]) -> list[str]:
+    """The parts (by prefix) under which the expression can match some module name: the
+    prefix is the start of a string the expression fullmatches (``regex`` partial
+    matching), so a part it cannot reach is proven out without listing its modules."""
+    import regex
+
+    return [f"{prefix} ({part})" for prefix, part in others.items()
+            if regex.fullmatch(targets, prefix, partial=True) is not None]
+
+
+def split_by_part(names: tuple[str, ...], prefixes: dict[str, str] | None = None
+                  ) -> dict[str, list[str]]:
+    """Matched module names by the part of the model they sit in: by the family's
+    ``module_parts`` prefixes where its row has them (MiniCPM-V's ``vpm.`` is its vision
+    tower, a name no vision word marks), else by the words towers and projectors use."""
     out: dict[str, list[str]] = {"language": [], "vision tower": [], "projector": []}
     for name in names:
         low = name.lower()
-        part = ("projector" if any(w in low for w in PROJECTOR_WORDS) else
-                "vision tower" if any(w in low for w in VISION_WORDS) else "language")
-        out[part].append(name)
+        by_prefix = next((part for p, part in (prefixes or {}).items() if name.startswith(p)),
+                         None)
+        part = by_prefix or ("projector" if any(w in low for w in PROJECTOR_WORDS) else
+                             "vision tower" if any(w in low for w in VISION_WORDS) else
+                             "language")
+        out.setdefault(part, []).append(name)
     return out
+
+
+def _prefixes(family: str | None) -> dict[str, str]:
+    """prefix -> part, from the family's ``module_parts`` (empty without a row)."""
+    parts = _module_parts(family)
+    if not parts:
+        return {}
+    return {parts["language"]["prefix"]: "language", **parts["others"]}
 
 
 def _refuse(targets: str, spec: ModelSpec, why: str) -> CannotTellError:
@@ -71,6 +119,17 @@ def _refuse_partial(targets: str, spec: ModelSpec, matched: list[str],
         if hit != total:
             raise _refuse(targets, spec, f"it reaches {hit} of the {total} '{last}' modules of "
                           "the language model, and oomless models LoRA on every layer")
+
+
+def _refuse_unmodelled(targets: str, spec: ModelSpec, parts: dict[str, list[str]]) -> None:
+    """LoRA in a part the estimate has no model of (MiniCPM-o's audio encoder, speech
+    decoder): it cannot tell."""
+    unmodelled = {k: v for k, v in parts.items()
+                  if v and k not in ("language", "vision tower", "projector")}
+    if unmodelled:
+        raise _refuse(targets, spec, "it reaches " + ", ".join(
+            f"{len(v)} linears of the {k}" for k, v in unmodelled.items())
+            + ", which oomless does not model")
 
 
 def _tower_reached(spec: ModelSpec, run: dict[str, Any], targets: list[str]) -> set[str]:
@@ -95,15 +154,24 @@ def resolve_regex_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading
     except re.error as err:
         raise ConfigError(f"LoRA target_modules '{targets}' is not a valid regular "
                           f"expression ({err}); PEFT compiles it with re.fullmatch") from None
-    names = _model_tree(str(run.get("model")))
+    family = reading.facts.get("family")
+    names, others = _model_tree(str(run.get("model")), family)
     if names is None:
         raise _refuse(targets, spec, f"oomless cannot build {spec.name}'s module tree here "
                       "(its code ships with the checkpoint: a local model folder with "
                       "--trust-remote-code builds it)")
-    parts = split_by_part(tuple(n for n in names if pattern.fullmatch(n)))
+    reached = _parts_reached(targets, others)
+    if reached:
+        raise _refuse(targets, spec, f"it can match module names under {', '.join(reached)}, "
+                      f"which {spec.name}'s own code builds and oomless cannot list without it "
+                      "(a local model folder with --trust-remote-code builds the whole tree)")
+    prefixes = _prefixes(family)
+    parts = split_by_part(tuple(n for n in names if pattern.fullmatch(n)), prefixes)
     if not any(parts.values()):
         raise ConfigError(f"LoRA target_modules '{targets}' matches no linear module of "
                           f"{spec.name} (PEFT raises 'Target modules ... not found')")
+    _refuse_unmodelled(targets, spec, parts)
+    _refuse_partial(targets, spec, parts["language"], split_by_part(names, prefixes)["language"])
     language = sorted({n.rsplit(".", 1)[-1] for n in parts["language"]})
     _refuse_partial(targets, spec, parts["language"], split_by_part(names)["language"])
     tower = {_TOWER_ALIASES.get(n.rsplit(".", 1)[-1], n.rsplit(".", 1)[-1])
@@ -121,7 +189,14 @@ def resolve_regex_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading
                           " but oomless models tower LoRA by the language targets' names")
     if spec.vision is not None and not frozen:  # nothing froze it: the expression decides
         run["vision"] = {**(run.get("vision") or {}), "freeze_tower": not tower}
+    reading.notes.append(_note(targets, spec, parts, others, language))
+
+
+def _note(targets: str, spec: ModelSpec, parts: dict[str, list[str]], others: dict[str, str],
+          language: list[str]) -> str:
     counts = ", ".join(f"{len(v)} {k}" for k, v in parts.items() if v)
-    reading.notes.append(f"LoRA target_modules '{targets}' (re.fullmatch on the module names "
-                         f"of {spec.name} built on the meta device): {counts} linears "
-                         f"({', '.join(language)})")
+    built = (f"the module names of {spec.name} built on the meta device" if not others else
+             f"{spec.name}'s language model built on the meta device; the expression can "
+             f"match no name under {', '.join(others)}")
+    return (f"LoRA target_modules '{targets}' (re.fullmatch on {built}): {counts} linears "
+            f"({', '.join(language)})")

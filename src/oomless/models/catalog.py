@@ -267,3 +267,10 @@ def _name_from_path(path: Path) -> str:
         if part.startswith("models--"):
             return part.removeprefix("models--").replace("--", "/")
     return path.parent.name or path.stem
+
+
+def family_of_model_type(model_type: str) -> str | None:
+    """The catalog family of a ``model_type`` (a local config.json of a catalog family),
+    or None where the catalog has no model of that type or several families share it."""
+    families = {e.family for e in list_models() if e.spec.model_type == model_type}
+    return families.pop() if len(families) == 1 else None

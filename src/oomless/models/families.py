@@ -18,6 +18,9 @@ from typing import Any
 
 ROW_KEYS = ("llamafactory_template", "template_note", "remote_code", "vision_tower", "loss",
             "source")
+# keys only some rows hold: where the family's checkpoint code puts each part
+# (module_parts) and what each trainer's from_pretrained call makes it build (trainer_builds)
+OPTIONAL_KEYS = ("module_parts", "trainer_builds")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,10 @@ class FamilyFacts:
     vision_tower: str | None  # VisionSpec.kind of the family's vision-language members
     loss: str
     source: str
+    # {"language": {"prefix", "model_type"}, "others": {prefix: part}, "source"} or None
+    module_parts: dict[str, Any] | None = None
+    # {script tool or stack: {"who", "config": {key: value}, "source"}} or None
+    trainer_builds: dict[str, Any] | None = None
 
 
 @lru_cache(maxsize=1)
@@ -40,7 +47,8 @@ def _table() -> dict[str, Any]:
 def family_rows() -> dict[str, FamilyFacts]:
     """Every row of the table, by family name."""
     rows = _table()["families"]
-    return {name: FamilyFacts(name, **{k: row[k] for k in ROW_KEYS}) for name, row in rows.items()}
+    return {name: FamilyFacts(name, **{k: row[k] for k in ROW_KEYS + OPTIONAL_KEYS if k in row})
+            for name, row in rows.items()}
 
 
 def family_facts(family: str) -> FamilyFacts | None:

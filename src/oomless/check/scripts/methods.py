@@ -19,8 +19,6 @@ from . import flags as F
 from .decide import cannot_tell
 
 _FULL, _LORA, _QLORA = {"full"}, {"lora"}, {"qlora"}
-# Linear names a LoRA target regex may name (MiniCPM-V's "llm\..*layers\.\d+\.self_attn\.(q_proj|...)")
-_LINEAR = re.compile(r"[a-z][a-z0-9]*_proj|c_attn|c_proj|c_fc|w[1-3]|query_key_value|dense\w*|fc[12]")
 _DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
            "fp32": "fp32", "float32": "fp32", "float": "fp32"}
 
@@ -29,17 +27,22 @@ def _value(s: dict[str, F.Setting], meaning: str) -> Any:
     return s[meaning].value if meaning in s else None
 
 
-def _targets(value: Any, s: dict[str, F.Setting], r: Reading) -> Any:
+def _targets(s: dict[str, F.Setting], r: Reading) -> Any:
+    """The targets as PEFT receives them. A ``lora_targets_regex`` flag is the value
+    LoraConfig(target_modules=...) gets (MiniCPM-V's ``lora_target_modules: str``): a
+    string stays a string, which check resolves as PEFT does (re.fullmatch on the full
+    module names, oomless.check.lora_names). A ``lora_targets`` flag is a list field
+    (HfArgumentParser nargs): one word is a list of one name."""
+    regex = _value(s, "lora_targets_regex")
+    value = _value(s, "lora_targets") if regex is None else regex
     if "lora_targets_prefix" in s and value is None:
         r.assumptions.append(f"LoRA on every linear under '{s['lora_targets_prefix'].value}' "
                              "(DeepSpeed-Chat's lora_module_name): read as all linear layers")
         return "all-linear"
     if value is None or value in ("all-linear", "all", ["all-linear"], ["all"]):
         return "all-linear"
-    if isinstance(value, str) and any(c in value for c in "\\()|*"):
-        names = sorted(set(_LINEAR.findall(value)))
-        r.assumptions.append(f"LoRA targets by a pattern '{value}': read as {names}")
-        return names or "all-linear"
+    if isinstance(value, str) and regex is not None:
+        return value
     return value if isinstance(value, list) else [value]
 
 
@@ -94,7 +97,7 @@ def method_of(s: dict[str, F.Setting], tool: str | None, src: Source,
     extra["lora"] = {"r": int(rank) if isinstance(rank, int) and rank > 0 else 8,
                      "alpha": _value(s, "lora_alpha") or 16,
                      "dropout": float(_value(s, "lora_dropout") or 0.0),
-                     "targets": _targets(_value(s, "lora_targets"), s, r)}
+                     "targets": _targets(s, r)}
     if bits:
         method_q = _value(s, "quant_method")
         extra["quantization"] = {"bits": bits, "type": "nf4", "double_quant": True}
@@ -109,10 +112,24 @@ def method_of(s: dict[str, F.Setting], tool: str | None, src: Source,
     return "lora", extra
 
 
-def saved_modules(name: str, method: str, tool: str | None, r: Reading) -> None:
+def saved_modules(name: str, method: str, tool: str | None, s: dict[str, F.Setting],
+                  r: Reading) -> None:
     """Qwen finetune.py trains the embedding and the output layer (PEFT modules_to_save
     ["wte", "lm_head"]) when LoRA runs on a model whose name has no 'chat' (its README:
-    "LoRA (emb)"); the estimate has no trainable embeddings yet: said, not counted."""
+    "LoRA (emb)"); the estimate has no trainable embeddings yet: said, not counted.
+    A tool whose row names the modules_to_save its code passes to LoraConfig
+    (``lora_modules_to_save``: always, and those a true flag adds) records them in
+    ``facts["modules_to_save"]``: check decides against the model's parts what they are
+    (oomless.check.assemble)."""
+    saved = (F.TOOLS[tool].get("lora_modules_to_save") if tool else None) or {}
+    if method in ("lora", "qlora") and saved:
+        names, added_by = list(saved["always"]), {}
+        for flag, more in saved.get("when_true", {}).items():
+            if any(x.key == flag and x.value is True for x in s.values()):
+                names += more
+                added_by |= dict.fromkeys(more, flag)
+        r.facts["modules_to_save"] = {"names": names, "added_by": added_by,
+                                      "who": F.TOOLS[tool]["label"]}
     if tool == "qwen-finetune" and method == "lora" and "chat" not in name.lower():
         r.assumptions.append(
             f"Qwen finetune.py trains wte and lm_head (modules_to_save) for '{name}' (no "

@@ -262,7 +262,7 @@ def _run(s: dict[str, F.Setting], tool: str | None, src: Source, model: str | No
                           "--model_name_or_path or the tool's own flag): pass --model")
     pre_quantized_note(str(name), r)
     method, extra = method_of(s, tool, src, r)
-    saved_modules(str(name), method, tool, r)
+    saved_modules(str(name), method, tool, s, r)
     unmodelled(s, src, r)
     zero, offload = zero_of(s, tool, src, r)
     length = s.get("seq_len")
