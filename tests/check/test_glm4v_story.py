@@ -27,7 +27,7 @@ Modelled through named mechanisms only:
   logits, the shifted copy and log_softmax's output (LossPath recast_after_loss); the
   shifted logits of one sequence are a contiguous prefix, copied only from batch 2 on.
 
-What stays unexplained (the strict xfails below): a trace of the stand-in with all these
+What stays unexplained (the strict xfail below): a trace of the stand-in with all these
 mechanisms at full size (63 tower layers of 6,401 patches, 40 language layers of 2,627
 positions; tests/runtime/glm4v_shell.py) allocates 54.7 GiB at batch 1, as the estimate
 does (54.6 GiB), and its caching-allocator replay over two steps reserves 60.0 GiB (the
@@ -39,8 +39,8 @@ stand-in, so what separates it from the README's 75 GB (about 61 GiB on the card
 allocator reserve (a share of the largest transient block) is smaller than the replay's:
 56.7 GiB on the card, 19% under. At batch 2 the stand-in allocated 84.68 GiB and reserved
 92.93 GiB on the GPU (the replay: 92.88), above the 79.25 GiB an A100-80GB leaves PyTorch;
-the estimate says 88.7 GiB, but the band's lower bound (÷1.157) stays under the card, so
-the verdict is TIGHT (exit 1), not OUT OF MEMORY. Checked and excluded: evaluation and generation
+the estimate says 88.7 GiB and even the band's lower bound (82.0 GiB) is above the card:
+OUT OF MEMORY, as the run was. Checked and excluded: evaluation and generation
 (eval batch 4: prefill of 4 × ~2,100 positions with eager attention, about 34 GiB; the
 Seq2SeqTrainer empties the cache after every step and prediction), the attention mask
 (a bool (b, 1, s, s) per layer, or get_masks' fp32 (b, s, s) only with padding), the
