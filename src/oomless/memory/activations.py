@@ -39,6 +39,9 @@ class LayerPlan:
     lora_dropout: bool
     norm_trainable: bool
     attn: str  # eager | sdpa | flash
+    # PEFT's LoRA layer casts its input to the adapters' dtype under autocast too
+    # (knobs.MethodKind.adapter_casts_input_under_autocast; False over 4-bit linears)
+    lora_input_cast: bool = True
 
 
 # What an activation saves for backward, one entry per tensor: "in" a tensor of the
@@ -139,8 +142,12 @@ def _linear_input(saved: _Saved, name: str, src: str, t: int, width: int, dt: Dt
         # Linear.forward, _cast_input_dtype): under autocast (fp32 adapters) lora_A
         # then casts it back, so each LoRA module keeps its own 16-bit copy; without
         # autocast it keeps the adapter-dtype copy itself (none when the dtypes agree).
+        # Over bitsandbytes linears PEFT skips the cast under autocast
+        # (peft/tuners/lora/bnb.py: requires_conversion = not torch.is_autocast_enabled()):
+        # lora_A keeps the input itself, or autocast's per-call cast of an fp32 input.
         if dt.autocast:
-            own_copy, in_bytes = dt.trainable_bytes != dt.act_bytes, dt.act_bytes
+            own_copy = plan.lora_input_cast and dt.trainable_bytes != dt.act_bytes
+            in_bytes = dt.act_bytes
         else:
             own_copy, in_bytes = dt.trainable_bytes != src_bytes, dt.trainable_bytes
         if plan.lora_dropout:

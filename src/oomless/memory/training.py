@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from ..config import RunConfig
+from ..knobs import METHODS
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 from ..result import MemoryEstimate
@@ -84,6 +85,7 @@ def layer_plan(spec: ModelSpec, cfg: RunConfig) -> LayerPlan:
         lora_dropout=cfg.lora.dropout > 0,
         norm_trainable=full,
         attn=effective_attn(spec, cfg.attn),
+        lora_input_cast=METHODS[cfg.method].adapter_casts_input_under_autocast,
     )
 
 
