@@ -109,12 +109,40 @@ def test_trace_of_the_recorded_qlora_run_gives_the_gpu_peaks():
     none), less what it does not allocate: flash attention's RNG seed and offset (8 B
     each, a 512 B block each, per layer) and one small block (1.5 KiB) not identified."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with gzip.open(STREAM, "rt") as f:
-        rec = json.load(f)
-    cfg = RunConfig.model_validate({**rec["config"], "hardware": {"gpu": "h200"}})
+    cfg, measured = _recorded()
     traced = trace_training(cfg, resolved=resolve_model(cfg.model))
-    measured = rec["measured"]
     assert traced.peak_reserved_bytes == measured["peak_reserved_bytes"]
     layers = 24
     gap = traced.peak_allocated_bytes - measured["peak_allocated_bytes"]
     assert 2**20 - 2 * layers * 512 - 2048 <= gap <= 2**20
+
+
+def _recorded() -> tuple[RunConfig, dict]:
+    with gzip.open(STREAM, "rt") as f:
+        rec = json.load(f)
+    return RunConfig.model_validate({**rec["config"], "hardware": {"gpu": "h200"}}), \
+        rec["measured"]
+
+
+def _analytic(cfg: RunConfig):
+    from oomless.models.hardware import Cluster, get_gpu
+
+    return estimate_training(resolve_model(cfg.model).spec, cfg, Cluster(get_gpu("h200")))
+
+
+def test_analytic_allocated_of_the_recorded_qlora_run():
+    """+4.9% (7,493,817,408 B) while every adapter was counted its own input copy."""
+    cfg, measured = _recorded()
+    ours = _analytic(cfg)
+    assert abs(ours.peak_allocated_bytes / measured["peak_allocated_bytes"] - 1) < 0.001
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "documented miss: the analytic reserve (70% of the largest transient block, the "
+    "1,187 MiB fp32 logits) is 12.4% under; the GPU's stream shows the backward thread's "
+    "32 MiB cuBLAS workspace split from a cached logits block, so the second step's loss "
+    "needs one more logits-sized segment (the trace replays it to the byte)"))
+def test_analytic_reserved_of_the_recorded_qlora_run():
+    cfg, measured = _recorded()
+    ours = _analytic(cfg)
+    assert abs(ours.peak_reserved_bytes / measured["peak_reserved_bytes"] - 1) < 0.05
