@@ -135,6 +135,7 @@ def test_analytic_allocated_of_the_recorded_qlora_run():
     cfg, measured = _recorded()
     ours = _analytic(cfg)
     assert abs(ours.peak_allocated_bytes / measured["peak_allocated_bytes"] - 1) < 0.001
+    assert any("keep their 16-bit input itself" in a for a in ours.assumptions)
 
 
 @pytest.mark.xfail(strict=True, reason=(

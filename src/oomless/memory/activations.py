@@ -23,6 +23,7 @@ from importlib import resources
 
 from ..allocator import fresh_block_bytes
 from ..config import RunConfig
+from ..knobs import MethodKind
 from ..models.spec import ModelSpec
 from . import constants as C
 from .gemma import effective_attn, rms_normed_bytes, softcap_scores_bytes
@@ -159,6 +160,15 @@ def _linear_input(saved: _Saved, name: str, src: str, t: int, width: int, dt: Dt
             saved.add(key, in_bytes * t * width)
         out_bytes = dt.act_bytes if dt.autocast else dt.trainable_bytes
         saved.add(f"{name}.lora_a_out", out_bytes * t * plan.lora_r)
+
+
+def lora_input_note(method: MethodKind) -> str:
+    """What each LoRA adapter keeps of its input under autocast (``_linear_input``)."""
+    if method.adapter_casts_input_under_autocast:
+        return ("; each adapted linear keeps its own 16-bit copy of its input (PEFT casts it "
+                "to fp32, autocast casts it back)")
+    return ("; the adapters keep their 16-bit input itself, shared (PEFT's LoRA layer over "
+            "bitsandbytes linears casts only without autocast)")
 
 
 def _weight_casts(saved: _Saved, spec: ModelSpec, dt: Dtypes, plan: LayerPlan,

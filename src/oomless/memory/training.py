@@ -23,6 +23,7 @@ from .activations import (
     compiled_assumption,
     compiled_layer_bytes,
     layer_activation_bytes,
+    lora_input_note,
 )
 from .after_load import (
     after_load_tensors,
@@ -382,7 +383,8 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     dt = dtypes_for(cfg)
     if cfg.method != "full" and dt.trainable_bytes == 4 and dt.act_bytes == 2:
         out.append("LoRA adapters in fp32 (PEFT autocast_adapter_dtype) " +
-                   ("under bf16/fp16 autocast" if dt.autocast else "on the 16-bit model"))
+                   ("under bf16/fp16 autocast" if dt.autocast else "on the 16-bit model")
+                   + (lora_input_note(METHODS[cfg.method]) if dt.autocast else ""))
     out += [a for a in [act_assumption(spec.hidden_act, dt.autocast)] if a]
     out += quantization_assumptions(spec, cfg)
     out += vision_assumptions(spec, cfg)
