@@ -89,19 +89,12 @@ class MethodKind:
     adapter: bool
     quantized_base: bool
     llamafactory_finetuning_type: str
-    # Whether PEFT's LoRA layer over this base casts its input to the adapters' dtype while
-    # autocast is on: peft/tuners/lora/layer.py Linear.forward always does
-    # (``self._cast_input_dtype(x, lora_A.weight.dtype)``); over bitsandbytes linears
-    # (peft/tuners/lora/bnb.py Linear4bit/Linear8bitLt.forward) only when
-    # ``not torch.is_autocast_enabled()``. The cast, undone by lora_A's autocast, leaves
-    # each adapter its own 16-bit copy of the input for backward (memory/activations.py).
-    adapter_casts_input_under_autocast: bool = True
 
 
 METHODS: dict[str, MethodKind] = {m.name: m for m in (
     MethodKind("full", True, False, False, "full"),
     MethodKind("lora", False, True, False, "lora"),
-    MethodKind("qlora", False, True, True, "lora", adapter_casts_input_under_autocast=False),
+    MethodKind("qlora", False, True, True, "lora"),
 )}
 
 

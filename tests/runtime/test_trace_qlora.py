@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from oomless.config import RunConfig
-from oomless.knobs import METHODS
 from oomless.memory import estimate_training
+from oomless.memory.quantized import KERNELS
 from oomless.models.catalog import ResolvedModel, resolve_model
 from oomless.models.hf_config import buildable_hf_config, spec_from_hf_config
 from oomless.runtime.trace.fake import trace_training
@@ -50,11 +50,12 @@ def test_autocast_state_is_asked_of_the_emulated_device():
     assert torch.is_autocast_enabled is original
 
 
-@pytest.mark.parametrize("method", [m for m, row in METHODS.items() if row.adapter])
-def test_each_adapter_method_row_says_whether_peft_casts_the_input(method):
-    """knobs.MethodKind.adapter_casts_input_under_autocast against PEFT's own layer: real
-    tiny weights (bitsandbytes quantizes and multiplies on CPU), the forward under CPU
-    autocast answering for CUDA; lora_A gets the input itself or a cast copy."""
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_the_analytic_plan_says_what_peft_does_with_the_adapters_input(method):
+    """memory/quantized.py's row against PEFT's own layer: real tiny weights (bitsandbytes
+    quantizes and multiplies on CPU), the forward under CPU autocast answering for CUDA;
+    lora_A gets the input itself or a cast copy."""
+    from oomless.memory.training import layer_plan
     from oomless.runtime.build import build_model
     from oomless.runtime.trace.cuda_emulation import cuda_autocast_state
 
@@ -68,7 +69,24 @@ def test_each_adapter_method_row_says_whether_peft_casts_the_input(method):
     x = torch.randn(1, 8, 64, dtype=torch.bfloat16, requires_grad=True)
     with cuda_autocast_state(), torch.autocast("cpu", dtype=torch.bfloat16):
         layer(x)
-    assert (seen[0] is not x) == METHODS[method].adapter_casts_input_under_autocast
+    plan = layer_plan(spec_from_hf_config(config, "tiny"), cfg)
+    assert (seen[0] is x) == ("up_proj" in plan.lora_uncast)
+
+
+@pytest.mark.parametrize("method", sorted(KERNELS))
+def test_each_kernel_row_names_the_peft_layer_and_its_cast(method):
+    """Every quantization row's PEFT LoRA layer, read from the installed PEFT: the layers
+    that ask ``torch.is_autocast_enabled()`` before casting are the rows that keep the
+    input uncast; the others cast in every case."""
+    import importlib.util
+
+    row = KERNELS[method]
+    origin = importlib.util.find_spec("peft.tuners.lora").submodule_search_locations[0]
+    source = (Path(origin) / f"{row.peft_layer}.py").read_text()
+    asks = "requires_conversion = not torch.is_autocast_enabled()" in source
+    casts = "self._cast_input_dtype(x, lora_A.weight.dtype)" in source
+    assert asks == (not row.peft_casts_input)
+    assert casts or asks
 
 
 def _both(method: str, dropout: float) -> tuple:
@@ -135,7 +153,7 @@ def test_analytic_allocated_of_the_recorded_qlora_run():
     cfg, measured = _recorded()
     ours = _analytic(cfg)
     assert abs(ours.peak_allocated_bytes / measured["peak_allocated_bytes"] - 1) < 0.001
-    assert any("keep their 16-bit input itself" in a for a in ours.assumptions)
+    assert any("the adapters keep the 16-bit input itself" in a for a in ours.assumptions)
 
 
 @pytest.mark.xfail(strict=True, reason=(

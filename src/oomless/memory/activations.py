@@ -23,7 +23,6 @@ from importlib import resources
 
 from ..allocator import fresh_block_bytes
 from ..config import RunConfig
-from ..knobs import MethodKind
 from ..models.spec import ModelSpec
 from . import constants as C
 from .gemma import effective_attn, rms_normed_bytes, softcap_scores_bytes
@@ -40,9 +39,9 @@ class LayerPlan:
     lora_dropout: bool
     norm_trainable: bool
     attn: str  # eager | sdpa | flash
-    # PEFT's LoRA layer casts its input to the adapters' dtype under autocast too
-    # (knobs.MethodKind.adapter_casts_input_under_autocast; False over 4-bit linears)
-    lora_input_cast: bool = True
+    # LoRA-wrapped linears whose PEFT layer passes its input uncast under autocast (over
+    # a quantized module: memory/quantized.py, TrainingKernel.peft_casts_input)
+    lora_uncast: frozenset[str] = frozenset()
 
 
 # What an activation saves for backward, one entry per tensor: "in" a tensor of the
@@ -147,7 +146,7 @@ def _linear_input(saved: _Saved, name: str, src: str, t: int, width: int, dt: Dt
         # (peft/tuners/lora/bnb.py: requires_conversion = not torch.is_autocast_enabled()):
         # lora_A keeps the input itself, or autocast's per-call cast of an fp32 input.
         if dt.autocast:
-            own_copy = plan.lora_input_cast and dt.trainable_bytes != dt.act_bytes
+            own_copy = name not in plan.lora_uncast and dt.trainable_bytes != dt.act_bytes
             in_bytes = dt.act_bytes
         else:
             own_copy, in_bytes = dt.trainable_bytes != src_bytes, dt.trainable_bytes
@@ -162,13 +161,17 @@ def _linear_input(saved: _Saved, name: str, src: str, t: int, width: int, dt: Dt
         saved.add(f"{name}.lora_a_out", out_bytes * t * plan.lora_r)
 
 
-def lora_input_note(method: MethodKind) -> str:
-    """What each LoRA adapter keeps of its input under autocast (``_linear_input``)."""
-    if method.adapter_casts_input_under_autocast:
-        return ("; each adapted linear keeps its own 16-bit copy of its input (PEFT casts it "
-                "to fp32, autocast casts it back)")
-    return ("; the adapters keep their 16-bit input itself, shared (PEFT's LoRA layer over "
-            "bitsandbytes linears casts only without autocast)")
+def lora_input_note(plan: LayerPlan) -> str:
+    """What the LoRA adapters keep of their input under autocast (``_linear_input``)."""
+    copied, shared = sorted(plan.lora - plan.lora_uncast), sorted(plan.lora & plan.lora_uncast)
+    out = ""
+    if copied:
+        out += (f"; {', '.join(copied)}: each adapter keeps its own 16-bit copy of its input "
+                "(PEFT casts it to fp32, autocast casts it back)")
+    if shared:
+        out += (f"; {', '.join(shared)}: the adapters keep the 16-bit input itself (PEFT's "
+                "LoRA layer over a quantized module casts only without autocast)")
+    return out
 
 
 def _weight_casts(saved: _Saved, spec: ModelSpec, dt: Dtypes, plan: LayerPlan,

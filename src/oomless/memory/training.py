@@ -12,7 +12,6 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from ..config import RunConfig
-from ..knobs import METHODS
 from ..models.hardware import Cluster
 from ..models.spec import ModelSpec
 from ..result import MemoryEstimate
@@ -44,6 +43,7 @@ from .moe_lora import merged_expert_saved_bytes, moe_lora_assumptions
 from .overheads import finish_estimate
 from .ppo import PpoKit, ppo_phases
 from .precision import Dtypes, dtypes_for
+from .quantized import lora_input_kept_uncast as _kept_uncast
 from .quantized import quantization_assumptions, saved_dequant_bytes, transient_dequant_bytes
 from .stacks import FP32_GROUPS_ALL, stack_assumptions, stack_effects
 from .stages import (
@@ -78,15 +78,15 @@ def layer_plan(spec: ModelSpec, cfg: RunConfig) -> LayerPlan:
     full = cfg.method == "full"
     targets = cfg.lora.targets
     key = ("lora_targets", targets if isinstance(targets, str) else tuple(targets))
+    lora = frozenset() if full else spec.cached(key, lambda: frozenset(lora_targets(spec, targets)))
     return LayerPlan(
         trainable=names if full else frozenset(),
-        lora=frozenset() if full else spec.cached(
-            key, lambda: frozenset(lora_targets(spec, targets))),
+        lora=lora,
+        lora_uncast=frozenset(n for n in lora if _kept_uncast(spec, cfg, n)),
         lora_r=cfg.lora.r,
         lora_dropout=cfg.lora.dropout > 0,
         norm_trainable=full,
         attn=effective_attn(spec, cfg.attn),
-        lora_input_cast=METHODS[cfg.method].adapter_casts_input_under_autocast,
     )
 
 
@@ -384,7 +384,7 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     if cfg.method != "full" and dt.trainable_bytes == 4 and dt.act_bytes == 2:
         out.append("LoRA adapters in fp32 (PEFT autocast_adapter_dtype) " +
                    ("under bf16/fp16 autocast" if dt.autocast else "on the 16-bit model")
-                   + (lora_input_note(METHODS[cfg.method]) if dt.autocast else ""))
+                   + (lora_input_note(layer_plan(spec, cfg)) if dt.autocast else ""))
     out += [a for a in [act_assumption(spec.hidden_act, dt.autocast)] if a]
     out += quantization_assumptions(spec, cfg)
     out += vision_assumptions(spec, cfg)

@@ -27,7 +27,6 @@ import math
 from dataclasses import dataclass
 
 from ..config import RunConfig
-from ..knobs import METHODS
 from ..models.spec import ModelSpec, VisionSpec
 from .activations import LayerPlan, layer_activation_bytes
 from .precision import Dtypes
@@ -124,10 +123,7 @@ def tower_plan(spec: ModelSpec, cfg: RunConfig) -> LayerPlan | None:
             n == "qkv_proj" and wanted & {"q_proj", "k_proj", "v_proj"}))
     if not wrapped:
         return None
-    # transformers quantizes the tower's linears too (get_keys_to_not_convert keeps only
-    # the output embedding, tied weights and the last module): PEFT's bnb LoRA layer
-    return LayerPlan(frozenset(), frozenset(wrapped), cfg.lora.r, cfg.lora.dropout > 0, False, attn,
-                     lora_input_cast=METHODS[cfg.method].adapter_casts_input_under_autocast)
+    return LayerPlan(frozenset(), frozenset(wrapped), cfg.lora.r, cfg.lora.dropout > 0, False, attn)
 
 
 def tower_rows(spec: ModelSpec, cfg: RunConfig) -> tuple[int, int]:

@@ -269,10 +269,10 @@ def cuda_autocast_state() -> Any:
     (torch/csrc/autograd/init.cpp ``is_autocast_enabled``: no device_type means
     at::kCUDA), which a trace's CPU autocast stands for, so it answers the CPU state.
 
-    Code branches on it: PEFT's LoRA layers over bitsandbytes 4-bit and 8-bit linears
-    (peft/tuners/lora/bnb.py ``Linear4bit.forward``, ``Linear8bitLt.forward``;
-    ``requires_conversion = not torch.is_autocast_enabled()``) cast the input to the
-    adapters' dtype only without autocast. Asked on CPU the answer is False: each
+    Code branches on it: PEFT's LoRA layers over quantized modules (peft/tuners/lora/
+    bnb.py ``Linear4bit.forward``, ``Linear8bitLt.forward``; awq.py, aqlm.py, eetq.py,
+    hqq.py alike: ``requires_conversion = not torch.is_autocast_enabled()``) cast the
+    input to the adapters' dtype only without autocast. Asked on CPU the answer is False: each
     adapter casts the 16-bit input to fp32 and lora_A's autocast casts it back, a new
     16-bit copy that lora_A's matmul keeps for backward, one per adapted linear. On the
     GPU autocast is on, the input passes uncast and lora_A keeps the input itself."""
