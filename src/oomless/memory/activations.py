@@ -39,6 +39,9 @@ class LayerPlan:
     lora_dropout: bool
     norm_trainable: bool
     attn: str  # eager | sdpa | flash
+    # LoRA-wrapped linears whose PEFT layer passes its input uncast under autocast (over
+    # a quantized module: memory/quantized.py, TrainingKernel.peft_casts_input)
+    lora_uncast: frozenset[str] = frozenset()
 
 
 # What an activation saves for backward, one entry per tensor: "in" a tensor of the
@@ -139,8 +142,12 @@ def _linear_input(saved: _Saved, name: str, src: str, t: int, width: int, dt: Dt
         # Linear.forward, _cast_input_dtype): under autocast (fp32 adapters) lora_A
         # then casts it back, so each LoRA module keeps its own 16-bit copy; without
         # autocast it keeps the adapter-dtype copy itself (none when the dtypes agree).
+        # Over bitsandbytes linears PEFT skips the cast under autocast
+        # (peft/tuners/lora/bnb.py: requires_conversion = not torch.is_autocast_enabled()):
+        # lora_A keeps the input itself, or autocast's per-call cast of an fp32 input.
         if dt.autocast:
-            own_copy, in_bytes = dt.trainable_bytes != dt.act_bytes, dt.act_bytes
+            own_copy = name not in plan.lora_uncast and dt.trainable_bytes != dt.act_bytes
+            in_bytes = dt.act_bytes
         else:
             own_copy, in_bytes = dt.trainable_bytes != src_bytes, dt.trainable_bytes
         if plan.lora_dropout:
@@ -152,6 +159,19 @@ def _linear_input(saved: _Saved, name: str, src: str, t: int, width: int, dt: Dt
             saved.add(key, in_bytes * t * width)
         out_bytes = dt.act_bytes if dt.autocast else dt.trainable_bytes
         saved.add(f"{name}.lora_a_out", out_bytes * t * plan.lora_r)
+
+
+def lora_input_note(plan: LayerPlan) -> str:
+    """What the LoRA adapters keep of their input under autocast (``_linear_input``)."""
+    copied, shared = sorted(plan.lora - plan.lora_uncast), sorted(plan.lora & plan.lora_uncast)
+    out = ""
+    if copied:
+        out += (f"; {', '.join(copied)}: each adapter keeps its own 16-bit copy of its input "
+                "(PEFT casts it to fp32, autocast casts it back)")
+    if shared:
+        out += (f"; {', '.join(shared)}: the adapters keep the 16-bit input itself (PEFT's "
+                "LoRA layer over a quantized module casts only without autocast)")
+    return out
 
 
 def _weight_casts(saved: _Saved, spec: ModelSpec, dt: Dtypes, plan: LayerPlan,

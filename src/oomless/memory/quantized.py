@@ -27,6 +27,15 @@ allocates (each from the code that runs):
   (transformers quantizer_compressed_tensors.py), so training holds 16-bit weights.
 - FP8 under LLaMA-Factory: loaded with ``FineGrainedFP8Config(dequantize=True)``
   when training (llamafactory/model/model_utils/quantization.py): 16-bit weights.
+
+Each row also names PEFT's LoRA layer over the method's module (peft 0.21
+tuners/lora/<peft_layer>.py) and whether it casts its input to the adapters' dtype
+while autocast is on. The default layer (layer.py ``Linear.forward``, nn.Linear and
+its subclasses: FP8Linear, dense weights) and gptq.py always do
+(``self._cast_input_dtype(x, lora_A.weight.dtype)``): with fp32 adapters lora_A's
+autocast casts the copy back, a 16-bit copy per adapter kept for backward. bnb.py,
+awq.py, aqlm.py, eetq.py and hqq.py cast only when ``not torch.is_autocast_enabled()``:
+under autocast the adapters keep the input itself (memory/activations.py).
 """
 
 from __future__ import annotations
@@ -48,17 +57,25 @@ class TrainingKernel:
     saves_dequantized: bool = False  # a 16-bit weight copy kept from forward to backward
     transient_dequantized: bool = True  # one 16-bit weight copy while a matmul runs
     dense_in_training: bool = False  # the weights become dense 16-bit before training
+    peft_layer: str = "layer"  # peft/tuners/lora/<peft_layer>.py wraps the module
+    peft_casts_input: bool = True  # that layer casts its input under autocast too
 
 
 KERNELS: dict[str, TrainingKernel] = {
     "gptq": TrainingKernel("gptqmodel TorchLinear (dequantize, then torch.matmul)",
-                           saves_dequantized=True, transient_dequantized=False),
-    "awq": TrainingKernel("gptqmodel AwqGemmFn (dequantized weight in forward and backward)"),
-    "aqlm": TrainingKernel("aqlm _QuantizedMatmul (matmat_dequant kernels)"),
-    "hqq": TrainingKernel("hqq HQQMatmulNoCacheMul (PyTorch backend)"),
-    "bitsandbytes": TrainingKernel("bitsandbytes MatMul4Bit / MatMul8bitLt"),
+                           saves_dequantized=True, transient_dequantized=False,
+                           peft_layer="gptq"),
+    "awq": TrainingKernel("gptqmodel AwqGemmFn (dequantized weight in forward and backward)",
+                          peft_layer="awq", peft_casts_input=False),
+    "aqlm": TrainingKernel("aqlm _QuantizedMatmul (matmat_dequant kernels)",
+                           peft_layer="aqlm", peft_casts_input=False),
+    "hqq": TrainingKernel("hqq HQQMatmulNoCacheMul (PyTorch backend)",
+                          peft_layer="hqq", peft_casts_input=False),
+    "bitsandbytes": TrainingKernel("bitsandbytes MatMul4Bit / MatMul8bitLt",
+                                   peft_layer="bnb", peft_casts_input=False),
     "fp8": TrainingKernel("transformers FP8LinearFunction (dequantized weight in backward)"),
-    "eetq": TrainingKernel("EETQ w8_a16_gemm (fused int8 GEMM)", transient_dequantized=False),
+    "eetq": TrainingKernel("EETQ w8_a16_gemm (fused int8 GEMM)", transient_dequantized=False,
+                           peft_layer="eetq", peft_casts_input=False),
     "compressed-tensors": TrainingKernel("compressed-tensors (decompressed on first forward)",
                                          transient_dequantized=False, dense_in_training=True),
 }
@@ -91,6 +108,17 @@ def kernel(spec: ModelSpec, cfg: RunConfig) -> TrainingKernel | None:
         return TrainingKernel("LLaMA-Factory dequantizes FP8 checkpoints for training",
                               transient_dequantized=False, dense_in_training=True)
     return KERNELS[q.method]
+
+
+def lora_input_kept_uncast(spec: ModelSpec, cfg: RunConfig, linear_name: str) -> bool:
+    """Whether PEFT's LoRA layer over the base linear ``linear_name`` passes its input
+    to the adapters uncast under autocast (its kernel row's ``peft_casts_input``); a
+    16-bit linear (no quantization, a skipped module, dense weights) gets PEFT's default
+    layer, which casts."""
+    q, k = base_quantization(spec, cfg), kernel(spec, cfg)
+    if q is None or k is None or k.dense_in_training or q.skips(linear_name):
+        return False
+    return not k.peft_casts_input
 
 
 def check_prequantized(spec: ModelSpec, cfg: RunConfig) -> None:

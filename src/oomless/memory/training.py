@@ -22,6 +22,7 @@ from .activations import (
     compiled_assumption,
     compiled_layer_bytes,
     layer_activation_bytes,
+    lora_input_note,
 )
 from .after_load import (
     after_load_tensors,
@@ -42,6 +43,7 @@ from .moe_lora import merged_expert_saved_bytes, moe_lora_assumptions
 from .overheads import finish_estimate, late_dense_block_bytes
 from .ppo import PpoKit, ppo_phases
 from .precision import Dtypes, dtypes_for
+from .quantized import lora_input_kept_uncast as _kept_uncast
 from .quantized import quantization_assumptions, saved_dequant_bytes, transient_dequant_bytes
 from .stacks import FP32_GROUPS_ALL, stack_assumptions, stack_effects
 from .stages import (
@@ -76,10 +78,11 @@ def layer_plan(spec: ModelSpec, cfg: RunConfig) -> LayerPlan:
     full = cfg.method == "full"
     targets = cfg.lora.targets
     key = ("lora_targets", targets if isinstance(targets, str) else tuple(targets))
+    lora = frozenset() if full else spec.cached(key, lambda: frozenset(lora_targets(spec, targets)))
     return LayerPlan(
         trainable=names if full else frozenset(),
-        lora=frozenset() if full else spec.cached(
-            key, lambda: frozenset(lora_targets(spec, targets))),
+        lora=lora,
+        lora_uncast=frozenset(n for n in lora if _kept_uncast(spec, cfg, n)),
         lora_r=cfg.lora.r,
         lora_dropout=cfg.lora.dropout > 0,
         norm_trainable=full,
@@ -380,7 +383,8 @@ def _training_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     dt = dtypes_for(cfg)
     if cfg.method != "full" and dt.trainable_bytes == 4 and dt.act_bytes == 2:
         out.append("LoRA adapters in fp32 (PEFT autocast_adapter_dtype) " +
-                   ("under bf16/fp16 autocast" if dt.autocast else "on the 16-bit model"))
+                   ("under bf16/fp16 autocast" if dt.autocast else "on the 16-bit model")
+                   + (lora_input_note(layer_plan(spec, cfg)) if dt.autocast else ""))
     out += [a for a in [act_assumption(spec.hidden_act, dt.autocast)] if a]
     out += quantization_assumptions(spec, cfg)
     out += vision_assumptions(spec, cfg)

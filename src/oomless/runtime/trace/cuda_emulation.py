@@ -28,7 +28,10 @@ kept, for workspaces), with the sizes the CUDA code uses:
 ``cuda_autocast_policies`` runs the ops CUDA autocast puts in fp32 (pow, exp, LayerNorm,
 softmax and sum without a dtype, ...) as CUDA does where CPU autocast does not; ``cuda_dropout`` makes training
 dropout the fused ``native_dropout`` kernel CUDA runs (a boolean mask kept for
-backward; the CPU path multiplies by a mask of the input's dtype).
+backward; the CPU path multiplies by a mask of the input's dtype);
+``cuda_autocast_state`` answers the question "is autocast on?" asked of the CUDA device
+(``torch.is_autocast_enabled()`` without a device means CUDA) with the state of the CPU
+autocast that stands for it, as the run on the GPU answers it.
 """
 
 from __future__ import annotations
@@ -257,3 +260,29 @@ def cuda_dropout() -> Any:
         yield
     finally:
         F.dropout = original
+
+
+@contextlib.contextmanager
+def cuda_autocast_state() -> Any:
+    """``torch.is_autocast_enabled()`` as on the GPU, where the forward runs under CUDA
+    autocast: the call without a device (or with "cuda") asks about CUDA autocast
+    (torch/csrc/autograd/init.cpp ``is_autocast_enabled``: no device_type means
+    at::kCUDA), which a trace's CPU autocast stands for, so it answers the CPU state.
+
+    Code branches on it: PEFT's LoRA layers over quantized modules (peft/tuners/lora/
+    bnb.py ``Linear4bit.forward``, ``Linear8bitLt.forward``; awq.py, aqlm.py, eetq.py,
+    hqq.py alike: ``requires_conversion = not torch.is_autocast_enabled()``) cast the
+    input to the adapters' dtype only without autocast. Asked on CPU the answer is False: each
+    adapter casts the 16-bit input to fp32 and lora_A's autocast casts it back, a new
+    16-bit copy that lora_A's matmul keeps for backward, one per adapted linear. On the
+    GPU autocast is on, the input passes uncast and lora_A keeps the input itself."""
+    original = torch.is_autocast_enabled
+
+    def is_autocast_enabled(device_type: str | None = None) -> bool:
+        return original("cpu" if device_type in (None, "cuda") else device_type)
+
+    torch.is_autocast_enabled = is_autocast_enabled  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled = original  # type: ignore[assignment]
