@@ -133,6 +133,10 @@ class EngineSums:
 
     def _hook_successors(self, node: Any) -> None:
         for successor, _ in node.next_functions:
-            if successor is not None and successor.name() != _ACCUMULATE_GRAD:
+            if successor is None or successor.name() == _ACCUMULATE_GRAD:
+                continue
+            try:
                 successor.register_prehook(lambda _grads: self._pre())
                 successor.register_hook(lambda _ins, _outs: self._post())
+            except (RuntimeError, TypeError):  # a node without hooks: its sums stay
+                continue  # out of place, as the trace saw them before
