@@ -146,13 +146,19 @@ def kernel_logprob_bytes(spec: ModelSpec, dt: Dtypes, rows: int, s: int, nll_row
     TRL's fused Triton kernel, which keeps the fp32 logits and writes a contiguous fp32
     gradient of them in backward (its slice's gradient is then padded back to the full
     logits: a second one). ORPO's cross-entropy on the chosen half adds a contiguous
-    fp32 copy and its log-softmax, and their gradients in backward."""
+    fp32 copy and its log-softmax, and their gradients in backward: the chosen half's
+    gradient (nll), padded back to the full logits, meets the kernel's padded gradient
+    in autograd's input buffer, which adds it in place (torch/csrc/autograd/
+    input_buffer.cpp ``accumulate``): both padded gradients and the half one, no third
+    full-size sum; before that, the cross-entropy's own backward holds three halves
+    next to the kernel's gradient."""
     v, t = spec.vocab_size, rows * s
     half = 2 if (dt.autocast or dt.act_bytes == 2) else 0
     fp32 = C.LOSS_FP32_BYTES * t * v
     nll = C.LOSS_FP32_BYTES * nll_rows * b * s * v
     forward_peak = max(half * t * v + fp32, fp32 + 2 * nll)
-    return {"saved": fp32 + nll, "forward_peak": forward_peak, "backward": 2 * fp32 + 2 * nll}
+    backward = max(2 * fp32 + nll, fp32 + 3 * nll)
+    return {"saved": fp32 + nll, "forward_peak": forward_peak, "backward": backward}
 
 
 def score_head_bytes(spec: ModelSpec, dt: Dtypes, rows: int, s: int) -> dict[str, float]:

@@ -262,6 +262,8 @@ def _assumptions(cfg: RunConfig, runs: list[TraceStats], plan: LayerPlan | None)
         "dk/dv_expanded), cuBLAS + cuBLASLt workspaces for the forward thread and the "
         "autograd thread, bitsandbytes' dequantized 4-bit weight per matmul; CPU autocast "
         "stands in for CUDA autocast (transformers upcasts norms, softmax and loss itself)",
+        "autograd's input-buffer sums of two gradients run in place where the engine holds "
+        "the only reference, as without a dispatch mode (fake tensors turn that off)",
         "SDPA with an attention mask (a sliding window shorter than the sequence) runs "
         "CUDA's memory-efficient kernel; traced with PyTorch's CPU flash kernel, which keeps "
         "the same output and log-sum-exp (that kernel's backward workspace is not emulated)",

@@ -192,6 +192,10 @@ class StorageTracker(TorchDispatchMode):
         self.losses: list[Any] = []  # the step's losses (set by the caller)
         self.layers_name = ""  # the decoder layers' ModuleList (set by the caller)
         self._next_key = 1
+        # the engine's gradient sums, in place as without this dispatch mode (input_buffer)
+        from .input_buffer import EngineSums
+
+        self.engine_sums = EngineSums()
 
     # ---- phases and regions ------------------------------------------------
     @property
@@ -204,6 +208,7 @@ class StorageTracker(TorchDispatchMode):
 
     def start_phase(self, name: str, iteration: int) -> None:
         self.phases.append((name, iteration))
+        self.engine_sums.reset()
         if self.modules is not None:
             self.modules.reset()
 
@@ -284,6 +289,19 @@ class StorageTracker(TorchDispatchMode):
             if key is not None:
                 self.records[key].owner = layer
 
+    def reuse(self, tensor: torch.Tensor, old: torch.Tensor) -> int | None:
+        """``tensor``'s storage stands for ``old``'s (an in-place op the trace ran out of
+        place): no allocation, and the record ends when ``tensor``'s storage dies."""
+        key = self._by_storage.get(id(old.untyped_storage()))
+        st = tensor.untyped_storage()
+        if key is None or id(st) in self._by_storage or self.records[key].nbytes != st.nbytes():
+            return None
+        del self._by_storage[id(old.untyped_storage())]
+        sid = id(st)
+        self.records[key].ref = weakref.ref(st, lambda _r, s=sid: self._on_storage_death(s))
+        self._by_storage[sid] = key
+        return key
+
     def phantom_alloc(self, nbytes: int, op: str, category: str | None = None) -> int:
         """An allocation no tensor here stands for (a CUDA kernel's internal buffer)."""
         return self._new_record(nbytes, op, category).key
@@ -301,10 +319,14 @@ class StorageTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in _SKIP_OPS:
             return func(*args, **kwargs)
+        self.engine_sums.observe()
+        summed_into = self.engine_sums.in_place_operand(func, args)
         temps = self.emulation.before(self, func, args, kwargs) if self.emulation else ()
         out = func(*args, **kwargs)
         name = func.__name__
-        keys = [self.track(t, name) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        reused = self.reuse(out, summed_into) if summed_into is not None else None
+        keys = [reused] if reused is not None else \
+            [self.track(t, name) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if keys and self.phase == "optimizer":
             self._inherit_owner(args, keys)
         for key in temps:
