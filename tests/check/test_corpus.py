@@ -165,10 +165,10 @@ PAIRS: dict[tuple[str, str], tuple[str, dict]] = {
         ("rtx-4090", {}),
 }
 CASES = {**{(k,): v for k, v in FILES.items()}, **PAIRS}
-# Files whose memory check cannot tell, and what it says instead (exit 2): MiniCPM-V's
-# finetune_lora.sh trains the whole vision tower next to LoRA (--tune_vision true puts vpm
-# in PEFT's modules_to_save), which the estimate does not express
-CANNOT_TELL = {("minicpm-v/finetune/finetune_lora.sh",): "can't tell what the vision tower costs"}
+# Files whose memory check cannot tell, and what it says instead (exit 2). MiniCPM-V's
+# finetune_lora.sh (the whole vision tower trained next to LoRA: --tune_vision true puts vpm
+# in PEFT's modules_to_save) is estimated since lora.modules_to_save counts the copies
+CANNOT_TELL: dict[tuple[str, ...], str] = {}
 
 
 def _auto_batch_alone(names: tuple[str, ...]) -> bool:
