@@ -156,3 +156,29 @@ def test_an_embedding_copy_puts_the_first_layer_on_the_gradient_path():
         4 * t * SPEC.hidden_size + 4 * t * 2)
     ckpt = _cfg(["embed_tokens"], data={}, grad_ckpt=True)
     assert copies_saved_bytes(SPEC, ckpt, dtypes_for(ckpt), t) == 0
+
+
+@pytest.mark.parametrize("stack, saved", [("hf-trainer", ["embed_tokens"]),
+                                          ("hf-trainer", ["lm_head"]),
+                                          ("llamafactory", ["embed_tokens", "lm_head"])])
+def test_analytic_equals_a_trace_of_peft_with_modules_to_save(stack, saved):
+    """The real PEFT code (ModulesToSaveWrapper's deep copy) run on fake tensors on a tiny
+    Llama: the trainable count is the same, and the peak within the tolerance the stacks'
+    trace comparison uses (tests/memory/test_stacks.py)."""
+    from oomless.models.catalog import ResolvedModel
+    from oomless.models.hf_config import buildable_hf_config, spec_from_hf_config
+    from oomless.runtime.trace.fake import trace_training
+
+    tiny = dict(model_type="llama", hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=4, vocab_size=16384,
+                max_position_embeddings=1024, tie_word_embeddings=False)
+    resolved = ResolvedModel(spec=spec_from_hf_config(tiny, "tiny-llama"),
+                             hf_config=buildable_hf_config(tiny), source="test")
+    cfg = RunConfig(model="tiny-llama", stack=stack, method="lora", micro_batch_size=2,
+                    seq_len=256, lora={"modules_to_save": saved})
+    traced = trace_training(cfg, resolved=resolved)
+    assert "trace_fallback" not in traced.extra
+    analytic = estimate_training(resolved.spec, cfg)
+    assert analytic.trainable_params == traced.trainable_params
+    assert analytic.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.015)
+    assert analytic.peak_phase == traced.peak_phase
