@@ -126,6 +126,7 @@ FILES: dict[str, tuple[str, dict]] = {
     "axolotl/gpt-oss-20b-sft-lora-singlegpu.yaml": ("h100-80gb", {}),
     "llama-factory-sh/qwen3_lora_sft.sh": ("rtx-4090 x1", {}),
     "ms-swift/lora_sft.sh": ("rtx-4090", {}),
+    "ms-swift/agent_loss_scale_train.sh": ("rtx-4090", {}),
     "ms-swift/qlora_bnb_train.sh": ("rtx-4090", {}),
     "ms-swift/qlora_gptq.sh": ("a100-80gb", {"model": "qwen2.5-72b-instruct"}),
     "ms-swift/full_train.sh": ("a100-80gb", {}),

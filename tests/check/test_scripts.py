@@ -416,6 +416,8 @@ def test_minicpm_o_is_counted_as_each_trainer_builds_it(tmp_path):
 # must not); ms-swift states the peak of each example in the script's first line
 PUBLISHED = [
     ("ms-swift/lora_sft.sh", "# 22GB", "rtx-4090", "t4"),
+    # --modules_to_save embed_tokens lm_head: without the copies it would fit the T4
+    ("ms-swift/agent_loss_scale_train.sh", "# 20GB", "rtx-4090", "t4"),
     ("ms-swift/qlora_bnb_train.sh", "# 10GB", "rtx-3060", None),
     ("ms-swift/packing_llm.sh", "# 22GB", "rtx-4090", "t4"),
     ("ms-swift/full_train.sh", "# 76GiB", "a100-80gb", "a100-40gb"),

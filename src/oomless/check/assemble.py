@@ -127,7 +127,7 @@ def _saved_modules(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> No
     added = {n: f" (--{flag})" for n, flag in saved["added_by"].items()}
     reading.notes.append(
         f"{saved['who']} trains {', '.join(n + added.get(n, '') for n in saved['names'])} "
-        "next to LoRA (its code's PEFT modules_to_save: a trainable copy of each, counted)")
+        "next to LoRA (PEFT modules_to_save: a trainable copy of each, counted)")
 
 
 def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:

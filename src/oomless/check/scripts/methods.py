@@ -129,6 +129,12 @@ def saved_modules(name: str, method: str, tool: str | None, s: dict[str, F.Setti
                 added_by |= dict.fromkeys(more, flag)
         r.facts["modules_to_save"] = {"names": names, "added_by": added_by,
                                       "who": F.TOOLS[tool]["label"]}
+    given = s.get("lora_modules_to_save")
+    if method in ("lora", "qlora") and given is not None and given.value:
+        value, who = given.value, F.TOOLS[tool]["label"] if tool else "the script"
+        r.facts["modules_to_save"] = {
+            "names": [str(v) for v in (value if isinstance(value, list) else [value])],
+            "added_by": {}, "who": f"{who} --{given.key}"}
     if tool == "qwen-finetune" and method == "lora" and "chat" not in name.lower():
         # QwenLM/Qwen finetune.py train(): modules_to_save = None if q_lora or is_chat_model
         # else ["wte", "lm_head"] (is_chat_model: 'chat' in the model name)
