@@ -265,3 +265,19 @@ def test_an_unknown_saved_module_is_a_user_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'score_proj' names no part of" in err and "lm_head" in err
     assert "Traceback" not in err
+
+
+def test_a_python_scripts_get_peft_model_modules_to_save_is_read(tmp_path, capsys):
+    """The Unsloth notebook script (tests/fixtures/real_configs/unsloth) with
+    modules_to_save added to its get_peft_model call: read from the call, and refused for
+    the unsloth stack (its own handling of the copies is not modelled yet)."""
+    text = (CORPUS / "unsloth/Qwen2.5_(7B)-Alpaca.py").read_text()
+    line = "    lora_alpha = 16,\n"
+    assert text.count(line) == 1
+    path = tmp_path / "alpaca.py"
+    path.write_text(text.replace(line, line + '    modules_to_save = ["lm_head"],\n'))
+    run = read_files(CheckOptions(files=(str(path),))).run
+    assert run["stack"] == "unsloth"
+    assert main(["check", str(path), "--gpu", "a100-80gb"]) == 2
+    err = capsys.readouterr().err
+    assert "unsloth stack: not supported yet" in err and "Traceback" not in err

@@ -182,3 +182,8 @@ def test_analytic_equals_a_trace_of_peft_with_modules_to_save(stack, saved):
     assert analytic.trainable_params == traced.trainable_params
     assert analytic.peak_allocated_bytes == pytest.approx(traced.peak_allocated_bytes, rel=0.015)
     assert analytic.peak_phase == traced.peak_phase
+
+
+def test_the_unsloth_stack_with_copies_is_not_supported_yet():
+    with pytest.raises(ConfigError, match="unsloth stack: not supported yet"):
+        estimate_training(SPEC, _cfg(["embed_tokens"], data={}, stack="unsloth"))

@@ -104,6 +104,15 @@ def saved_copy_dtypes(cfg: RunConfig, dt: Dtypes) -> Dtypes:
     ZeRO-3/FSDP/pure_bf16) and PEFT's prepare_model_for_kbit_training before the copy
     (every 16-bit parameter made fp32)."""
     fx = stack_effects(cfg)
+    if cfg.stack == "unsloth":
+        from ..errors import ConfigError
+
+        # unsloth models/llama.py get_peft_model: a trained embed_tokens / lm_head copy is
+        # recast ("mixed precision") and the frozen original moved to the CPU
+        raise ConfigError(
+            f"lora.modules_to_save {list(cfg.lora.modules_to_save)} with the unsloth stack: "
+            "not supported yet (Unsloth moves the frozen original to the CPU and recasts the "
+            "trained copy); estimate with another stack as an upper bound, or drop the list")
     if cfg.zero or cfg.precision in ("fp32", "pure-bf16") or cfg.stack == "llamafactory":
         return dt
     if fx.setup_upcast:
