@@ -187,3 +187,15 @@ def test_analytic_equals_a_trace_of_peft_with_modules_to_save(stack, saved):
 def test_the_unsloth_stack_with_copies_is_not_supported_yet():
     with pytest.raises(ConfigError, match="unsloth stack: not supported yet"):
         estimate_training(SPEC, _cfg(["embed_tokens"], data={}, stack="unsloth"))
+
+
+def test_a_fused_loss_keeps_an_fp32_gradient_of_a_copied_heads_weight():
+    """Liger's fused linear cross-entropy allocates an fp32 grad_weight when the head's
+    weight requires grad (as under full fine-tuning): a trained head copy makes it so."""
+    from oomless.memory.loss_paths import logits_bytes
+
+    t = 2048
+    liger = {"liger_kernel": True}
+    head, plain = (_cfg(s, data={}, stack_options=liger) for s in (["lm_head"], []))
+    assert logits_bytes(SPEC, head, dtypes_for(head), t)["backward"] - logits_bytes(
+        SPEC, plain, dtypes_for(plain), t)["backward"] == 4 * SPEC.vocab_size * SPEC.hidden_size
