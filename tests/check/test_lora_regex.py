@@ -122,7 +122,7 @@ def test_minicpm_script_regex_reaches_the_language_model_only(tmp_path, monkeypa
                for n in r.notes)
     est = estimate(RunConfig.model_validate(r.config))
     copies = next(a for a in est.assumptions if a.startswith("PEFT modules_to_save"))
-    assert "embed_tokens (embedding, 543,692,800 parameters)" in copies
+    assert "embed_tokens (input embedding, 543,692,800 parameters)" in copies
     assert "resampler (projector, 68,619,264 parameters)" in copies
 
 

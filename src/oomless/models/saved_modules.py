@@ -99,6 +99,7 @@ def known_names(spec: ModelSpec) -> str:
 
 def copies_note(parts: tuple[SavedPart, ...]) -> str:
     """What the estimate counts for the copies, in words."""
+    words = {"embedding": "input embedding", "lm_head": "LM head"}
     return ("PEFT modules_to_save: a trainable copy of " + ", ".join(
-        f"{p.name} ({p.part}, {p.params:,} parameters)" for p in parts)
+        f"{p.name} ({words.get(p.part, p.part)}, {p.params:,} parameters)" for p in parts)
         + " next to the frozen original")
