@@ -126,6 +126,7 @@ FILES: dict[str, tuple[str, dict]] = {
     "axolotl/gpt-oss-20b-sft-lora-singlegpu.yaml": ("h100-80gb", {}),
     "llama-factory-sh/qwen3_lora_sft.sh": ("rtx-4090 x1", {}),
     "ms-swift/lora_sft.sh": ("rtx-4090", {}),
+    "ms-swift/agent_loss_scale_train.sh": ("rtx-4090", {}),
     "ms-swift/qlora_bnb_train.sh": ("rtx-4090", {}),
     "ms-swift/qlora_gptq.sh": ("a100-80gb", {"model": "qwen2.5-72b-instruct"}),
     "ms-swift/full_train.sh": ("a100-80gb", {}),
@@ -165,10 +166,10 @@ PAIRS: dict[tuple[str, str], tuple[str, dict]] = {
         ("rtx-4090", {}),
 }
 CASES = {**{(k,): v for k, v in FILES.items()}, **PAIRS}
-# Files whose memory check cannot tell, and what it says instead (exit 2): MiniCPM-V's
-# finetune_lora.sh trains the whole vision tower next to LoRA (--tune_vision true puts vpm
-# in PEFT's modules_to_save), which the estimate does not express
-CANNOT_TELL = {("minicpm-v/finetune/finetune_lora.sh",): "can't tell what the vision tower costs"}
+# Files whose memory check cannot tell, and what it says instead (exit 2). MiniCPM-V's
+# finetune_lora.sh (the whole vision tower trained next to LoRA: --tune_vision true puts vpm
+# in PEFT's modules_to_save) is estimated since lora.modules_to_save counts the copies
+CANNOT_TELL: dict[tuple[str, ...], str] = {}
 
 
 def _auto_batch_alone(names: tuple[str, ...]) -> bool:

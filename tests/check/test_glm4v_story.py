@@ -9,7 +9,7 @@ Modelled through named mechanisms only:
 - finetune_demo/finetune_vision.py freezes the tower only ``if ft_config.freezeV``
   (after get_peft_model): without the key nothing is frozen;
 - PEFT matches ``query_key_value`` in every module, and every EVA2-CLIP attention
-  projection has that name: LoRA in all 63 tower layers (memory.states.lora_reach);
+  projection has that name: LoRA in all 63 tower layers (oomless.check.lora_names.lora_reach);
 - the tower's code (visual.py) has no gradient checkpointing, while
   ``gradient_checkpointing_enable()`` reaches GLM's language layers (families.json
   vision_towers): the tower keeps every layer's activations;

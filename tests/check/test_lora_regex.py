@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 import oomless.runtime.meta  # noqa: F401  (registers the meta-device module lister)
+from oomless.api import estimate
 from oomless.check.checker import CheckOptions, check
 from oomless.cli import main
+from oomless.config import RunConfig
 from oomless.errors import CannotTellError, ConfigError
 
 RECIPE = """\
@@ -109,26 +111,49 @@ def test_minicpm_script_regex_reaches_the_language_model_only(tmp_path, monkeypa
     r = check(CheckOptions(files=(path,), gpu="a100-80gb"))
     assert r.model == "minicpm-o-2.6"
     assert r.lora_reach == ("LoRA on 28 language layers (k_proj, o_proj, q_proj, v_proj) "
-                            "(vision tower frozen)")
+                            "(vision tower frozen), copies of embed_tokens, resampler")
     assert r.config["lora"]["targets"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
     assert r.config["vision"]["freeze_tower"] is True
     note = next(n for n in r.notes if "re.fullmatch" in n)
     assert "112 language linears" in note and "vision tower" not in note
     assert "can match no name under vpm., resampler." in note
-    assert any("embed_tokens, resampler next to LoRA" in a and "not counted" in a
-               for a in r.assumptions)
+    assert r.config["lora"]["modules_to_save"] == ["embed_tokens", "resampler"]
+    assert any("trains embed_tokens, resampler next to LoRA" in n and "counted" in n
+               for n in r.notes)
+    est = estimate(RunConfig.model_validate(r.config))
+    copies = next(a for a in est.assumptions if a.startswith("PEFT modules_to_save"))
+    assert "embed_tokens (input embedding, 543,692,800 parameters)" in copies
+    assert "resampler (projector, 68,619,264 parameters)" in copies
 
 
-def test_minicpm_script_as_published_trains_the_tower_fully_and_cannot_be_told(tmp_path,
-                                                                            monkeypatch, capsys):
+def test_minicpm_script_as_published_trains_the_tower_fully_and_is_estimated(tmp_path,
+                                                                           monkeypatch, capsys):
     """--tune_vision true with LoRA: finetune.py puts vpm in modules_to_save (a trainable
-    copy of the whole tower), which the estimate cannot express: exit 2, naming the flag."""
+    copy of the whole tower) next to embed_tokens and resampler: estimated with the copies,
+    their gradients and optimizer states and the tower's activations."""
     path = _minicpm(tmp_path)
     monkeypatch.chdir(Path(path).parent)
-    assert main(["check", path, "--gpu", "a100-80gb"]) == 2
-    err = capsys.readouterr().err
-    assert "can't tell what the vision tower costs" in err and "--tune_vision false" in err
-    assert "'vpm'" in err and "Traceback" not in err
+    assert main(["check", path, "--gpu", "a100-80gb"]) == 0
+    out = capsys.readouterr().out
+    assert ("LoRA on 28 language layers (k_proj, o_proj, q_proj, v_proj) + vision tower trained "
+            "fully (modules_to_save vpm), copies of embed_tokens, resampler") in out
+    r = check(CheckOptions(files=(path,), gpu="a100-80gb"))
+    assert r.config["lora"]["modules_to_save"] == ["embed_tokens", "resampler", "vpm"]
+    frozen = check(CheckOptions(files=(_minicpm(tmp_path / "f", _frozen_tower),),
+                                gpu="a100-80gb"))
+    trained, without = (estimate(RunConfig.model_validate(c.config)) for c in (r, frozen))
+    # ZeRO-2 over 8 GPUs, fp16: the tower's copy (the SigLIP tower without the resampler)
+    # adds its 16-bit weights whole, its 16-bit gradient, fp32 master weights and AdamW
+    # states as eighths; the tower keeps activations it did not keep frozen
+    tower = 486_411_504 - 68_619_264
+    assert trained.trainable_params - without.trainable_params == tower
+    opt, opt_frozen = trained.breakdown["optimizer"], without.breakdown["optimizer"]
+    assert opt["saved_modules"] - opt_frozen["saved_modules"] == 2 * tower
+    for key, per_param in (("optimizer", 8), ("master_weights", 4), ("gradients", 2)):
+        assert opt[key] - opt_frozen[key] == pytest.approx(per_param * tower / 8, abs=2), key
+    assert trained.breakdown["backward"]["activations"] > without.breakdown["backward"][
+        "activations"]
+    assert "vision tower trained (its modules_to_save copy)" in " ".join(trained.assumptions)
 
 
 def test_minicpm_default_targets_are_the_regex_of_finetune_py(tmp_path, monkeypatch):

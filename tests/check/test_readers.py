@@ -211,3 +211,73 @@ def test_diff_out_writes_the_patch(tmp_path):
     assert out.read_text().startswith("--- a/") and '"per_device_train_batch_size": 4' in \
         out.read_text()
     assert main(["check", str(path), "--gpu", "rtx-4090", "--diff-out", str(out)]) == 2
+
+
+# ---- PEFT modules_to_save under each tool's name (lora.modules_to_save) ---------------------
+def test_axolotl_lora_modules_to_save_of_a_real_file_is_counted():
+    """axolotl examples/llama-3/lora-8b.yml (commit 9f824ef7...) lists embed_tokens and
+    lm_head in lora_modules_to_save: both copies are counted, vocabulary × hidden each."""
+    from oomless.api import estimate
+
+    result = check(CheckOptions(files=(str(CORPUS / "axolotl/lora-8b.yml"),), gpu="a100-80gb"))
+    assert result.config["lora"]["modules_to_save"] == ["embed_tokens", "lm_head"]
+    assert "copies of embed_tokens, lm_head" in result.lora_reach
+    cfg = RunConfig.model_validate(result.config)
+    without = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"modules_to_save": []})})
+    vocab_by_hidden = 128256 * 4096  # Meta-Llama-3-8B: untied embedding and head
+    assert estimate(cfg).trainable_params - estimate(without).trainable_params == \
+        2 * vocab_by_hidden
+
+
+def test_llamafactory_additional_target_is_a_comma_separated_list(tmp_path):
+    """LLaMA-Factory splits additional_target at commas (hparams/finetuning_args.py
+    split_arg); the real llama3_lora_sft.yaml with the key added (the fixture has none)."""
+    text = (CORPUS / "llama-factory/llama3_lora_sft.yaml").read_text()
+    assert "additional_target" not in text and "lora_target: all\n" in text
+    path = tmp_path / "saved.yaml"
+    path.write_text(text.replace("lora_target: all\n",
+                                 "lora_target: all\nadditional_target: embed_tokens, lm_head\n"))
+    run = read_files(CheckOptions(files=(str(path),))).run
+    assert run["lora"]["modules_to_save"] == ["embed_tokens", "lm_head"]
+    assert run_of("llama-factory/llama3_lora_sft.yaml")["lora"]["modules_to_save"] == []
+
+
+def test_trl_and_peft_configs_name_modules_to_save(tmp_path):
+    """TRL's ModelConfig.lora_modules_to_save and a PEFT LoraConfig's modules_to_save
+    (GLM-4 finetune's peft_config) reach the knob."""
+    text = (CORPUS / "trl/example_config.yaml").read_text()
+    path = tmp_path / "trl.yaml"
+    path.write_text(text + "\nuse_peft: true\nlora_modules_to_save: [lm_head]\n")
+    assert run_of(str(path))["lora"]["modules_to_save"] == ["lm_head"]
+    glm = (CORPUS / "glm-4/finetune_lora.yaml").read_text()
+    line = '  target_modules: ["q_proj", "k_proj", "v_proj"]\n'
+    assert line in glm
+    path = tmp_path / "glm.yaml"
+    path.write_text(glm.replace(line, line + "  modules_to_save: [embed_tokens]\n"))
+    assert run_of(str(path), model="glm-4-9b-chat")["lora"]["modules_to_save"] == ["embed_tokens"]
+
+
+def test_an_unknown_saved_module_is_a_user_error(tmp_path, capsys):
+    text = (CORPUS / "axolotl/lora-8b.yml").read_text()
+    path = tmp_path / "lora.yml"
+    path.write_text(text.replace("  - lm_head\n", "  - score_proj\n"))
+    assert main(["check", str(path), "--gpu", "a100-80gb"]) == 2
+    err = capsys.readouterr().err
+    assert "'score_proj' names no part of" in err and "lm_head" in err
+    assert "Traceback" not in err
+
+
+def test_a_python_scripts_get_peft_model_modules_to_save_is_read(tmp_path, capsys):
+    """The Unsloth notebook script (tests/fixtures/real_configs/unsloth) with
+    modules_to_save added to its get_peft_model call: read from the call, and refused for
+    the unsloth stack (its own handling of the copies is not modelled yet)."""
+    text = (CORPUS / "unsloth/Qwen2.5_(7B)-Alpaca.py").read_text()
+    line = "    lora_alpha = 16,\n"
+    assert text.count(line) == 1
+    path = tmp_path / "alpaca.py"
+    path.write_text(text.replace(line, line + '    modules_to_save = ["lm_head"],\n'))
+    run = read_files(CheckOptions(files=(str(path),))).run
+    assert run["stack"] == "unsloth"
+    assert main(["check", str(path), "--gpu", "a100-80gb"]) == 2
+    err = capsys.readouterr().err
+    assert "unsloth stack: not supported yet" in err and "Traceback" not in err

@@ -416,6 +416,8 @@ def test_minicpm_o_is_counted_as_each_trainer_builds_it(tmp_path):
 # must not); ms-swift states the peak of each example in the script's first line
 PUBLISHED = [
     ("ms-swift/lora_sft.sh", "# 22GB", "rtx-4090", "t4"),
+    # --modules_to_save embed_tokens lm_head: without the copies it would fit the T4
+    ("ms-swift/agent_loss_scale_train.sh", "# 20GB", "rtx-4090", "t4"),
     ("ms-swift/qlora_bnb_train.sh", "# 10GB", "rtx-3060", None),
     ("ms-swift/packing_llm.sh", "# 22GB", "rtx-4090", "t4"),
     ("ms-swift/full_train.sh", "# 76GiB", "a100-80gb", "a100-40gb"),
@@ -449,13 +451,16 @@ def test_documented_misses_are_real_files():
 # accumulation 8, FlashAttention-2, Qwen-7B; GPU memory in "G" by sequence length. The
 # README does not name its counter: "G" is read as 10^9 bytes. Its script, run as the
 # table was (batch 1, the length; the LoRA row without trainable embeddings is a chat
-# model: finetune.py sets modules_to_save only when the name has no 'chat').
+# model: finetune.py sets modules_to_save only when the name has no 'chat'; the "LoRA (emb)"
+# row is the script as published, on Qwen/Qwen-7B: wte and lm_head trained as copies).
 QWEN_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 QWEN_README = {  # script, the MODEL it runs, --model (the Int4 GPTQ checkpoint), the row
     "LoRA": ("finetune_lora_single_gpu.sh", "Qwen/Qwen-7B-Chat", None,
              (20.1, 20.4, 21.5, 23.8, 29.7, 36.6)),
     "Q-LoRA": ("finetune_qlora_single_gpu.sh", "Qwen/Qwen-7B-Chat-Int4", "qwen-7b",
                (11.5, 11.5, 12.3, 13.9, 16.9, 23.5)),
+    "LoRA (emb)": ("finetune_lora_single_gpu.sh", "Qwen/Qwen-7B", None,
+                   (33.7, 34.1, 35.2, 35.1, 39.2, 48.5)),
 }
 # Where the published figure lies outside the estimate's band (memory/band.py), as it
 # stands: (row, length) -> which side, and why
@@ -466,6 +471,13 @@ QWEN_MISSES = {
                        "since the kernel images a first step loads (234 MiB) are counted"),
     ("Q-LoRA", 8192): ("over", "the activations grow faster with the length than measured "
                        "(LoRA's row agrees at 8192, Q-LoRA's does not): not explained yet"),
+    ("LoRA (emb)", 256): ("under", "13.6 G above the LoRA row where the copies of wte and "
+                          "lm_head, their bf16 gradients and AdamW states make 10.0 G; the "
+                          "rest is not explained yet (the optimizer step's temporaries of "
+                          "the era's foreach AdamW are not counted)"),
+    ("LoRA (emb)", 512): ("under", "as at 256 tokens (13.7 G above the LoRA row)"),
+    ("LoRA (emb)", 1024): ("under", "as at 256 tokens (13.7 G above the LoRA row), 0.5% "
+                           "above the band's top"),
 }
 MISSES["qwen/finetune (Qwen README)"] = "; ".join(
     f"{row} {n} tokens: estimate {side} the band ({why})"
@@ -501,18 +513,17 @@ def test_qwen_scripts_against_the_memory_table_of_qwens_readme(row, tmp_path, mo
             row, length, result.device_peak_bytes / 1e9, gb)
 
 
-def test_qwen_lora_on_a_base_model_says_the_embeddings_it_does_not_count():
+def test_qwen_lora_on_a_base_model_trains_copies_of_the_embeddings():
     """finetune_lora_single_gpu.sh runs Qwen/Qwen-7B (no 'chat'): finetune.py trains wte and
-    lm_head too, the README's "LoRA (emb)" row (34.1 G at 512 tokens, batch 1); the estimate
-    does not count them (a documented miss, said in its assumptions)."""
+    lm_head too (PEFT modules_to_save), the README's "LoRA (emb)" row; a chat model does not."""
     result = check(CheckOptions(files=(str(CORPUS / "qwen/finetune/finetune_lora_single_gpu.sh"),),
                                 gpu="a100-80gb"))
     assert result.model == "qwen-7b"
-    assert any("modules_to_save" in a and "not counted" in a for a in result.assumptions)
-    assert result.high_bytes < 34.1e9  # the miss, as it stands (batch 2 here, 1 there)
+    assert result.config["lora"]["modules_to_save"] == ["wte", "lm_head"]
+    assert result.lora_reach.endswith("copies of wte, lm_head")
     chat = check(CheckOptions(files=(str(CORPUS / "qwen/finetune/finetune_lora_single_gpu.sh"),),
                               gpu="a100-80gb", model="qwen-7b-chat"))
-    assert not any("modules_to_save" in a for a in chat.assumptions)
+    assert chat.config["lora"]["modules_to_save"] == []
 
 
 def test_axolotl_gpt_oss_lora_against_the_memory_of_its_readme(tmp_path):

@@ -228,3 +228,19 @@ def test_vllm_json_splits_a_model_over_gpus_when_one_cannot_hold_it():
     assert set(args) <= VLLM_ENGINE_ARGS
     one = vllm_engine_args(cfg, spec, Cluster(get_gpu("a100-80gb"), 4), "Qwen/Qwen2.5-32B-Instruct")
     assert "tensor_parallel_size" not in one  # fits one GPU: one GPU per engine
+
+
+def test_llamafactory_yaml_keeps_modules_to_save_as_additional_target():
+    """lora.modules_to_save is written under LLaMA-Factory's name and reads back."""
+    from oomless.planner.writers import llamafactory_config
+
+    cfg = RunConfig(model="qwen2.5-0.5b", lora={"modules_to_save": ["embed_tokens", "lm_head"]})
+    spec = resolve_model("qwen2.5-0.5b").spec
+    lf = llamafactory_config(cfg, spec, "Qwen/Qwen2.5-0.5B-Instruct", "qwen2", None)
+    assert lf["additional_target"] == "embed_tokens,lm_head"
+    text = yaml.safe_dump(lf)
+    src = Source("main", "x.yaml", text, "yaml", yaml.safe_load(text), {})
+    assert read_llamafactory(src, None).run["lora"]["modules_to_save"] == ["embed_tokens",
+                                                                           "lm_head"]
+    assert "additional_target" not in llamafactory_config(
+        RunConfig(model="qwen2.5-0.5b"), spec, "Qwen/Qwen2.5-0.5B-Instruct", "qwen2", None)

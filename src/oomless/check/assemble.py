@@ -113,33 +113,21 @@ def _lora_targets(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> Non
 
 
 def _saved_modules(run: dict[str, Any], spec: ModelSpec, reading: Reading) -> None:
-    """The modules a tool's code trains next to LoRA (PEFT modules_to_save: a trainable
-    copy of each, facts["modules_to_save"]), read against the model's parts (families.json
-    ``module_parts``): a whole vision tower cannot be told (the estimate trains a tower with
-    LoRA or not at all); the others are said, not counted."""
-    from ..errors import CannotTellError
-    from ..models.families import family_facts
-
+    """The modules a tool's code trains next to LoRA (PEFT modules_to_save, recorded in
+    facts["modules_to_save"]: MiniCPM-V finetune.py's embed_tokens and resampler, and vpm
+    with --tune_vision) join the file's own ``lora.modules_to_save``; the estimate counts a
+    trainable copy of each (oomless.models.saved_modules)."""
     saved = reading.facts.get("modules_to_save")
     if not saved or run.get("method") not in ("lora", "qlora"):
         return
-    facts = family_facts(str(reading.facts.get("family") or ""))
-    others = (facts.module_parts or {}).get("others", {}) if facts else {}
-    names = saved["names"]
-    tower = [n for n in names if others.get(f"{n}.") == "vision tower"]
-    if tower and spec.vision is not None:
-        flags = sorted({f"--{saved['added_by'][n]} false" for n in tower if n in saved["added_by"]})
-        raise CannotTellError(
-            f"can't tell what the vision tower costs: {saved['who']} trains {spec.name}'s whole "
-            f"vision tower next to LoRA (PEFT modules_to_save {names}: a trainable copy of "
-            f"{', '.join(tower)}, its gradients and optimizer states, every tower layer's "
-            "activations); oomless models a tower trained with LoRA or frozen, not a fully "
-            "trained one next to LoRA. The run with the tower frozen can be checked"
-            + (f" ({', '.join(flags)})" if flags else ""))
-    reading.assumptions.append(
-        f"{saved['who']} trains {', '.join(names)} next to LoRA (PEFT modules_to_save: a "
-        "trainable copy of each): the copies, their gradients and optimizer states are not "
-        "counted")
+    lora = dict(run.get("lora") or {})
+    names = list(lora.get("modules_to_save") or [])
+    run["lora"] = {**lora, "modules_to_save": names + [n for n in saved["names"]
+                                                        if n not in names]}
+    added = {n: f" (--{flag})" for n, flag in saved["added_by"].items()}
+    reading.notes.append(
+        f"{saved['who']} trains {', '.join(n + added.get(n, '') for n in saved['names'])} "
+        "next to LoRA (PEFT modules_to_save: a trainable copy of each, counted)")
 
 
 def resolve(reading: Reading, opts: CheckOptions) -> ModelSpec:

@@ -70,7 +70,7 @@ class CheckResult:
     refused: list[str] = field(default_factory=list)  # candidate fixes a rule refused
     assumptions: list[str] = field(default_factory=list)
     task: str = "train"  # or what a file that does not train runs (check/tasks.py TASKS)
-    lora_reach: str = ""  # where the LoRA targets land (memory.states.lora_reach)
+    lora_reach: str = ""  # where the LoRA targets land (oomless.check.lora_names.lora_reach)
 
     @property
     def fits(self) -> bool:
@@ -270,8 +270,8 @@ def check_task(src: Any, task: str, opts: CheckOptions) -> CheckResult:
 
 def check(opts: CheckOptions) -> CheckResult:
     from ..memory.band import band_bytes
-    from ..memory.states import lora_reach
     from ..planner.speed import ASSUMPTIONS
+    from .lora_names import lora_reach
 
     if len(opts.files) == 1:
         from .tasks import file_task

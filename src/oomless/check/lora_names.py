@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..config import RunConfig
 from ..errors import CannotTellError, ConfigError
 from ..models.spec import ModelSpec
 from .sources import Reading
@@ -200,3 +201,38 @@ def _note(targets: str, spec: ModelSpec, parts: dict[str, list[str]], others: di
              f"match no name under {', '.join(others)}")
     return (f"LoRA target_modules '{targets}' (re.fullmatch on {built}): {counts} linears "
             f"({', '.join(language)})")
+
+
+def lora_reach(spec: ModelSpec, cfg: RunConfig) -> str:
+    """Where the LoRA targets land, by layer count: "LoRA on 40 language + 63
+    vision-tower layers (query_key_value)" — PEFT matches the names in every module of
+    the model, the vision tower's included — and what PEFT's modules_to_save trains next
+    to them: "+ vision tower trained fully (modules_to_save vpm), copies of embed_tokens,
+    resampler" ("" for full fine-tuning)."""
+    from ..memory.states import lora_targets
+    from ..memory.vision import copied_parts, tower_plan
+    from ..models.saved_modules import saved_parts
+
+    if cfg.method == "full":
+        return ""
+    targets = cfg.lora.targets
+    try:
+        language = spec.num_layers if lora_targets(spec, targets) else 0
+    except ConfigError:
+        language = 0
+    plan = tower_plan(spec, cfg)
+    names = "all linear layers" if targets == "all-linear" else ", ".join(targets)
+    ckpt = ("" if plan is None or spec.vision.checkpointed or not cfg.grad_ckpt
+            else ", tower not checkpointed")
+    saved = saved_parts(spec, cfg.lora.modules_to_save) if cfg.lora.modules_to_save else ()
+    copies = [p.name for p in saved if p.part != "vision tower"]
+    tail = f", copies of {', '.join(copies)}" if copies else ""
+    if "vision tower" in copied_parts(spec, cfg) and plan is not None:
+        tower = next(p.name for p in saved if p.part == "vision tower")
+        return (f"LoRA on {language} language layers ({names}) + vision tower trained fully "
+                f"(modules_to_save {tower}{ckpt}){tail}")
+    if plan is None:
+        frozen = " (vision tower frozen)" if spec.vision and cfg.vision.freeze_tower else ""
+        return f"LoRA on {language} language layers ({names}){frozen}{tail}"
+    return (f"LoRA on {language} language + {spec.vision.num_layers} vision-tower layers "
+            f"({names}{ckpt}){tail}")

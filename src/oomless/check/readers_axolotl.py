@@ -56,8 +56,10 @@ def _method(d: dict[str, Any], src: Source, run: dict[str, Any], r: Reading) -> 
     if adapter in ("lora", "qlora"):
         targets = "all-linear" if d.get("lora_target_linear") else (
             d.get("lora_target_modules") or "all-linear")
+        saved = d.get("lora_modules_to_save") or []  # axolotl: LoraConfig(modules_to_save=)
         run["lora"] = {"r": d.get("lora_r", 8), "alpha": d.get("lora_alpha", 16),
-                       "dropout": d.get("lora_dropout", 0.0), "targets": targets}
+                       "dropout": d.get("lora_dropout", 0.0), "targets": targets,
+                       "modules_to_save": [saved] if isinstance(saved, str) else list(saved)}
         bits = 4 if d.get("load_in_4bit") or adapter == "qlora" else (
             8 if d.get("load_in_8bit") else None)
         run["method"] = "qlora" if bits else "lora"

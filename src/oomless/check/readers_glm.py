@@ -46,9 +46,11 @@ def _peft(src: Source, peft: dict[str, Any], run: dict[str, Any], r: Reading) ->
     kind = str(peft.get("peft_type", "LORA")).upper()
     if kind == "LORA":
         rank = peft.get("r", 8)
+        saved = peft.get("modules_to_save") or []  # PEFT LoraConfig(modules_to_save=...)
         run["lora"] = {"r": rank, "alpha": peft.get("lora_alpha", 8),
                        "dropout": peft.get("lora_dropout", 0.0),
-                       "targets": peft.get("target_modules") or "all-linear"}
+                       "targets": peft.get("target_modules") or "all-linear",
+                       "modules_to_save": [saved] if isinstance(saved, str) else list(saved)}
         return
     if kind in ("PREFIX_TUNING", "P_TUNING"):
         tokens = peft.get("num_virtual_tokens", 0)

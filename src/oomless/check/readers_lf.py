@@ -87,6 +87,13 @@ def _special(d: dict[str, Any], where: Callable[[str], str], r: Reading) -> bool
     return bool(used)
 
 
+def _names(value: Any) -> list[str]:
+    """LLaMA-Factory's list arguments: a comma-separated string (hparams/finetuning_args.py
+    split_arg) or a YAML list."""
+    items = value if isinstance(value, list) else str(value or "").split(",")
+    return [str(t).strip() for t in items if str(t).strip()]
+
+
 def read_lf_dict(d: dict[str, Any], where: Callable[[str], str], src: Source, model: str | None,
                  r: Reading) -> dict[str, Any]:
     """RunConfig input from LLaMA-Factory arguments ``d`` (shared by the YAML and WeClone)."""
@@ -101,7 +108,8 @@ def read_lf_dict(d: dict[str, Any], where: Callable[[str], str], src: Source, mo
         "lora": {"r": rank, "alpha": d.get("lora_alpha") or 2 * rank,
                  "dropout": d.get("lora_dropout", 0.0),
                  "targets": "all-linear" if target == "all" else
-                 [t.strip() for t in str(target).split(",") if t.strip()]},
+                 [t.strip() for t in str(target).split(",") if t.strip()],
+                 "modules_to_save": _names(d.get("additional_target"))},
         "quantization": {"bits": bits, "type": d.get("quantization_type", "nf4"),
                          "double_quant": d.get("double_quantization", True)},
         "micro_batch_size": d.get("per_device_train_batch_size", 8),

@@ -108,9 +108,11 @@ def _method(d: dict[str, Any], run: dict[str, Any]) -> None:
     if not d.get("use_peft"):
         run["method"] = "full"
         return
+    saved = d.get("lora_modules_to_save") or []  # ModelConfig → get_peft_config
     run["lora"] = {"r": d.get("lora_r", 16), "alpha": d.get("lora_alpha", 32),
                    "dropout": d.get("lora_dropout", 0.05),
-                   "targets": d.get("lora_target_modules") or "all-linear"}
+                   "targets": d.get("lora_target_modules") or "all-linear",
+                   "modules_to_save": [saved] if isinstance(saved, str) else list(saved)}
     if str(d.get("lora_target_modules")).lower() == "all-linear":
         # PEFT's all-linear (tuners_utils._maybe_include_all_linear_layers) takes every
         # Linear but the output layer, a vision tower's included; TRL freezes nothing

@@ -7,6 +7,7 @@ from ..units import fmt_bytes, fmt_count
 
 _LABELS = {
     "weights": "weights", "lora_adapters": "LoRA adapters", "master_weights": "fp32 master weights",
+    "saved_modules": "modules_to_save copies",
     "optimizer": "optimizer states", "gradients": "gradients",
     "grad_partition_fp32": "fp32 grad partitions", "ddp_buckets": "DDP gradient buckets",
     "zero3_gathered": "ZeRO-3 gathered layer", "cublas_workspace": "cuBLAS workspaces",

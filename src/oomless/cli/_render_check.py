@@ -12,7 +12,7 @@ from ._render_plan import _value, change_text
 
 
 def read_as(c: dict[str, Any], lora_reach: str = "") -> str:
-    """The run configuration in one line; ``lora_reach`` (memory.vision.lora_reach) says
+    """The run configuration in one line; ``lora_reach`` (oomless.check.lora_names.lora_reach) says
     where the LoRA targets land, vision tower included."""
     parts = [c["method"] + (f"-{c['quantization']['bits']}bit" if c["method"] == "qlora" else "")]
     if c.get("stage", "sft") != "sft":

@@ -60,6 +60,14 @@ class LoraConfig(_Section):
     targets: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="module names (q_proj, v_proj, ...) or 'all-linear'"
     )
+    modules_to_save: list[str] = Field(
+        default_factory=list, description="modules trained in full next to LoRA (PEFT "
+        "modules_to_save, LLaMA-Factory additional_target, axolotl lora_modules_to_save): "
+        "each gets a trainable copy, its gradients and optimizer states; names are read as "
+        "the part they name: embedding (embed_tokens, wte, ...), LM head (lm_head, ...), "
+        "projector (multi_modal_projector, resampler, merger, ...) or vision tower "
+        "(vision_tower, vpm, visual, ...), whose activations a copy then keeps; ignored "
+        "under full fine-tuning")
 
 
 class QuantConfig(_Section):

@@ -107,9 +107,18 @@ def logits_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int,
     return {"forward": forward, "backward": backward, "held": kept * t * v}
 
 
+def _head_copied(spec: ModelSpec, cfg: RunConfig) -> bool:
+    from ..models.saved_modules import saved_parts
+
+    return cfg.method != "full" and any(
+        p.part == "lm_head" for p in saved_parts(spec, cfg.lora.modules_to_save))
+
+
 def _fused(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int, kind: str) -> dict[str, float]:
     h, v, a = spec.hidden_size, spec.vocab_size, dt.act_bytes
-    lm_head_grad = 4 * v * h if cfg.method == "full" else 0
+    # the fused kernels' fp32 gradient of the head's weight, when it requires grad: full
+    # fine-tuning, or a trained copy of the head (PEFT modules_to_save)
+    lm_head_grad = 4 * v * h if cfg.method == "full" or _head_copied(spec, cfg) else 0
     if kind == "liger":
         # liger ops/fused_linear_cross_entropy.py: chunk = next_pow2(ceil(t / ceil(V / h)))
         chunk = min(t, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(t / math.ceil(v / h)))))))

@@ -107,3 +107,20 @@ def optimizer_state_bytes(kind: OptimizerKind, tensors: dict[int, int],
             device += per * n
         device += absmax * n
     return OptimizerBytes(device, paged)
+
+
+def adafactor_bytes(spec: ModelSpec, cfg: RunConfig, targets: set[str], roles: set[str]) -> int:
+    """Adafactor (HF, beta1=None): fp32 row + column second-moment factors per
+    matrix, a full fp32 second moment per vector (Shazeer & Stern 2018, §3)."""
+    total = 0
+    for n_layers, is_moe in _layer_kinds(spec):
+        for lin in spec.layer_linears(is_moe):
+            if cfg.method == "full":
+                total += n_layers * (lin.in_features + lin.out_features) * lin.count
+            elif lin.name in targets and lin.role in roles:
+                r = cfg.lora.r
+                total += n_layers * lin.count * ((r + lin.in_features) + (lin.out_features + r))
+    if cfg.method == "full":
+        total += spec.vocab_size + spec.hidden_size  # embedding
+        total += spec.num_layers * spec.norms_per_layer * spec.hidden_size
+    return 4 * total

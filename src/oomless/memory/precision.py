@@ -90,3 +90,33 @@ def _stack_casts(cfg: RunConfig, dt: Dtypes) -> Dtypes:
         # turns the residual stream fp32; SDPA under autocast casts q, k, v back to 16-bit
         dt = replace(dt, mlp_bytes=4, resid_bytes=4, attn_bytes=0 if dt.autocast else 4)
     return dt
+
+
+def saved_copy_dtypes(cfg: RunConfig, dt: Dtypes) -> Dtypes:
+    """The dtypes of PEFT ``modules_to_save`` copies (models/saved_modules.py): PEFT makes
+    each a ``copy.deepcopy`` of the module (peft/utils/other.py ModulesToSaveWrapper.update)
+    and upcasts only its tuner layers' adapters (tuners_utils.py cast_adapter_dtype skips
+    the wrapper), so the copy keeps the module's dtype, its gradient too, and torch's
+    AdamW makes its states like their parameter (zeros_like). Where the run's trainable
+    parameters share one dtype anyway, the copies take it: DeepSpeed ZeRO (16-bit module,
+    fp32 master and states), fp32 and pure-bf16 runs, LLaMA-Factory (model/adapter.py
+    init_adapter: cast_trainable_params_to_fp32 upcasts every trainable parameter outside
+    ZeRO-3/FSDP/pure_bf16) and PEFT's prepare_model_for_kbit_training before the copy
+    (every 16-bit parameter made fp32)."""
+    fx = stack_effects(cfg)
+    if cfg.stack == "unsloth":
+        from ..errors import ConfigError
+
+        # unsloth models/llama.py get_peft_model: a trained embed_tokens / lm_head copy is
+        # recast ("mixed precision") and the frozen original moved to the CPU
+        raise ConfigError(
+            f"lora.modules_to_save {list(cfg.lora.modules_to_save)} with the unsloth stack: "
+            "not supported yet (Unsloth moves the frozen original to the CPU and recasts the "
+            "trained copy); estimate with another stack as an upper bound, or drop the list")
+    if cfg.zero or cfg.precision in ("fp32", "pure-bf16") or cfg.stack == "llamafactory":
+        return dt
+    if fx.setup_upcast:
+        return replace(dt, trainable_bytes=4, grad_bytes=4, optim_elem_bytes=4, master_bytes=0)
+    model = dt.base_weight_bytes
+    return replace(dt, trainable_bytes=model, grad_bytes=model, optim_elem_bytes=model,
+                   master_bytes=0)

@@ -8,11 +8,17 @@ from dataclasses import dataclass, field
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..knobs import OPTIMIZERS, offloaded_optimizer
+from ..models.saved_modules import copies_note, saved_parts
 from ..models.spec import LinearSpec, ModelSpec
 from . import constants as C
 from .moe_lora import expert_adapter_params, is_fused_expert_target
-from .optimizer_states import OptimizerBytes, optimizer_state_bytes, trainable_tensors
-from .precision import Dtypes
+from .optimizer_states import (
+    OptimizerBytes,
+    adafactor_bytes,
+    optimizer_state_bytes,
+    trainable_tensors,
+)
+from .precision import Dtypes, saved_copy_dtypes
 from .quantized import check_prequantized, quant_constant_bytes, quantized_weight_bytes
 from .stacks import StackEffects, stack_effects
 from .stages import score_head_param_delta
@@ -153,26 +159,9 @@ def optimizer_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, targets: set[st
     if kind is None:
         raise ConfigError(f"unknown optimizer '{cfg.optimizer}'; one of {', '.join(OPTIMIZERS)}")
     if kind.factored:
-        return OptimizerBytes(adafactor_bytes(spec, cfg, targets), 0.0)
+        return OptimizerBytes(adafactor_bytes(spec, cfg, targets, _LORA_ROLES), 0.0)
     tensors = trainable_tensors(spec, cfg, targets, _LORA_ROLES, trainable)
     return optimizer_state_bytes(kind, tensors, dt.optim_elem_bytes)
-
-
-def adafactor_bytes(spec: ModelSpec, cfg: RunConfig, targets: set[str]) -> int:
-    """Adafactor (HF, beta1=None): fp32 row + column second-moment factors per
-    matrix, a full fp32 second moment per vector (Shazeer & Stern 2018, §3)."""
-    total = 0
-    for n_layers, is_moe in _layer_kinds(spec):
-        for lin in spec.layer_linears(is_moe):
-            if cfg.method == "full":
-                total += n_layers * (lin.in_features + lin.out_features) * lin.count
-            elif lin.name in targets and lin.role in _LORA_ROLES:
-                r = cfg.lora.r
-                total += n_layers * lin.count * ((r + lin.in_features) + (lin.out_features + r))
-    if cfg.method == "full":
-        total += spec.vocab_size + spec.hidden_size  # embedding
-        total += spec.num_layers * spec.norms_per_layer * spec.hidden_size
-    return 4 * total
 
 
 def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
@@ -197,7 +186,30 @@ def model_states(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> States:
         st.host_bytes += round(weights / cfg.world_size * cfg.hardware.gpus_per_node)
     _gradients(st, spec, cfg, dt, targets, trainable, buffers.gradient_staging_bytes
                if cfg.zero and not fsdp else 0)
+    _saved_copies(st, spec, cfg, dt)
     return st
+
+
+def _saved_copies(st: States, spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> None:
+    """PEFT modules_to_save (models/saved_modules.py): each copy's weights, gradients,
+    master weights and optimizer states, sharded as the run's other trainable parameters,
+    in the copies' dtypes (precision.saved_copy_dtypes)."""
+    if cfg.method == "full" or not cfg.lora.modules_to_save:
+        return
+    parts = saved_parts(spec, cfg.lora.modules_to_save)
+    copies, cdt, side = sum(p.params for p in parts), saved_copy_dtypes(cfg, dt), States()
+    _optimizer_side(side, spec, cfg, cdt, set(), copies)
+    _gradients(side, spec, cfg, cdt, set(), copies, 0)
+    st.gpu["saved_modules"] = round(copies * cdt.trainable_bytes
+                                    / (cfg.world_size if cfg.zero == 3 else 1))
+    for key, value in side.gpu.items():
+        st.gpu[key] = st.gpu.get(key, 0) + value
+    st.host_bytes, st.paged_bytes = st.host_bytes + side.host_bytes, st.paged_bytes + side.paged_bytes
+    st.trainable_params += copies
+    st.assumptions += [a for a in side.assumptions if a not in st.assumptions]
+    st.assumptions.append(f"{copies_note(parts)}: weights {cdt.trainable_bytes} B, gradients "
+                          f"{cdt.grad_bytes} B, optimizer states {cdt.optim_elem_bytes} B an "
+                          f"element{', fp32 master weights' if cdt.master_bytes else ''}")
 
 
 def _trained_params(spec: ModelSpec, cfg: RunConfig, targets: set[str]) -> tuple[int, int, int]:
@@ -368,26 +380,3 @@ def _gradients(st: States, spec: ModelSpec, cfg: RunConfig, dt: Dtypes, targets:
             "DDP: gradient buckets hold a second copy of the gradients "
             "(gradient_as_bucket_view=False, the default)"
         )
-
-
-def lora_reach(spec: ModelSpec, cfg: RunConfig) -> str:
-    """Where the LoRA targets land, by layer count: "LoRA on 40 language + 63
-    vision-tower layers (query_key_value)" — PEFT matches the names in every module of
-    the model, the vision tower's included ("" for full fine-tuning)."""
-    from .vision import tower_plan
-
-    if cfg.method == "full":
-        return ""
-    targets = cfg.lora.targets
-    try:
-        language = spec.num_layers if lora_targets(spec, targets) else 0
-    except ConfigError:
-        language = 0
-    plan = tower_plan(spec, cfg)
-    names = "all linear layers" if targets == "all-linear" else ", ".join(targets)
-    if plan is None:
-        frozen = " (vision tower frozen)" if spec.vision and cfg.vision.freeze_tower else ""
-        return f"LoRA on {language} language layers ({names}){frozen}"
-    ckpt = "" if spec.vision.checkpointed or not cfg.grad_ckpt else ", tower not checkpointed"
-    return (f"LoRA on {language} language + {spec.vision.num_layers} vision-tower layers "
-            f"({names}{ckpt})")

@@ -31,12 +31,7 @@ from .after_load import (
     unsloth_load_assumptions,
     unsloth_rope_table_bytes,
 )
-from .gemma import (
-    effective_attn,
-    gemma_assumptions,
-    is_sliding_layer,
-    sliding_mask_bytes,
-)
+from .gemma import effective_attn, gemma_assumptions, is_sliding_layer, sliding_mask_bytes
 from .loss_paths import largest_logits_block_bytes
 from .loss_paths import logits_bytes as stack_logits_bytes
 from .moe_lora import merged_expert_saved_bytes, moe_lora_assumptions
@@ -57,6 +52,7 @@ from .stages import (
 )
 from .states import States, fp32_upcast_params, lora_targets, model_states
 from .vision import (
+    copies_saved_bytes,
     image_tokens,
     merged_input_bytes,
     pixel_bytes,
@@ -105,10 +101,11 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
     tower = tower_saved_bytes(spec, cfg, dt)  # a trained vision tower's layers
     one_layer = max(dense, moe, tower["one_layer"])
     t = b * s
-    # Shared by all layers: RoPE cos/sin (b, s, head_dim) in the residual
-    # stream's dtype; the final norm's fp32 input; lm_head's input (and its
-    # autocast weight copy) when lm_head is trained.
-    shared = 2 * dt.resid_bytes * t * spec.head_dim + 4 * t * spec.hidden_size
+    # Shared by all layers: RoPE cos/sin (b, s, head_dim) in the residual stream's dtype;
+    # the final norm's fp32 input; lm_head's input (and its autocast weight copy) when
+    # lm_head is trained; what modules_to_save copies keep (vision.copies_saved_bytes).
+    shared = (2 * dt.resid_bytes * t * spec.head_dim + 4 * t * spec.hidden_size
+              + copies_saved_bytes(spec, cfg, dt, t))
     # lm_head runs as a module (its input and autocast weight copy kept) unless a reward
     # model's score head replaces it or TRL's fused head projects through its weight in tiles
     lm_head = stage_plan(cfg).head in ("lm_loss", "full_logprobs", "kernel_logprobs")

@@ -27,9 +27,11 @@ import math
 from dataclasses import dataclass
 
 from ..config import RunConfig
+from ..models.saved_modules import projector_inside_tower, saved_parts
 from ..models.spec import ModelSpec, VisionSpec
 from .activations import LayerPlan, layer_activation_bytes
-from .precision import Dtypes
+from .precision import Dtypes, saved_copy_dtypes
+from .stages import stage_plan
 
 # Qwen2VLImageProcessor defaults (Qwen/Qwen2-VL-7B-Instruct preprocessor_config.json)
 QWEN2_VL_MIN_PIXELS = 3136  # 56 × 56
@@ -105,14 +107,26 @@ def tower_attn(spec: ModelSpec, cfg: RunConfig) -> str:
     return "eager" if cfg.attn == "eager" else "sdpa"
 
 
+def copied_parts(spec: ModelSpec, cfg: RunConfig) -> frozenset[str]:
+    """The parts PEFT trains as copies next to LoRA (``lora.modules_to_save``,
+    models/saved_modules.py): "vision tower", "projector", "embedding", "lm_head"."""
+    if cfg.method == "full" or not cfg.lora.modules_to_save:
+        return frozenset()
+    return frozenset(p.part for p in saved_parts(spec, cfg.lora.modules_to_save))
+
+
 def tower_plan(spec: ModelSpec, cfg: RunConfig) -> LayerPlan | None:
-    """What of a tower layer is trained (None: nothing, the tower keeps no graph)."""
-    if not spec.vision or not cfg.data.images_per_sample or cfg.vision.freeze_tower:
+    """What of a tower layer is trained (None: nothing, the tower keeps no graph). A
+    tower in ``lora.modules_to_save`` trains in full (its copy), frozen original or not."""
+    if not spec.vision or not cfg.data.images_per_sample:
+        return None
+    copied = "vision tower" in copied_parts(spec, cfg)
+    if cfg.vision.freeze_tower and not copied:
         return None
     tower = tower_spec(spec.vision)
     names = frozenset(lin.name for lin in tower.layer_linears())
     attn = tower_attn(spec, cfg)
-    if cfg.method == "full":
+    if cfg.method == "full" or copied:
         return LayerPlan(names, frozenset(), cfg.lora.r, False, True, attn)
     targets = cfg.lora.targets
     if targets == "all-linear":
@@ -144,7 +158,7 @@ def tower_saved_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> dict[str, 
     layer = layer_activation_bytes(tower, images, patches, dt, plan)
     rows = images * patches
     embeddings = dt.resid_bytes * rows * tower.hidden_size  # patch embedding + positions
-    if cfg.method == "full":  # the trained patch convolution keeps its 16-bit pixels
+    if plan.trainable:  # the trained patch convolution keeps its 16-bit pixels
         embeddings += dt.act_bytes * rows * 3 * 2 * spec.vision.patch_size**2 \
             if spec.vision.dynamic_resolution else dt.act_bytes * images * 3 * (
                 spec.vision.image_size**2)
@@ -164,7 +178,9 @@ def projector_saved_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
     images = cfg.micro_batch_size * cfg.data.images_per_sample
     tokens = images * image_geometry(vision, cfg).tokens
     h, a = spec.hidden_size, dt.act_bytes
-    trained = not cfg.vision.freeze_projector
+    copied = copied_parts(spec, cfg)
+    trained = not cfg.vision.freeze_projector or "projector" in copied or (
+        "vision tower" in copied and vision.kind in projector_inside_tower())
     # fp32 weights under autocast (full fine-tuning): the 16-bit copies of the projector's
     # weights stay for the gradient of its input (autocast's weight cache)
     casts = a * vision.projector_params if (dt.autocast and dt.base_weight_bytes == 4) else 0
@@ -177,6 +193,30 @@ def projector_saved_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
     if vision.merge_size > 1:  # Qwen2-VL's merger normalises first (LayerNorm: fp32 input)
         kept += 4 * tokens * width
     return casts + kept + (a * tokens * (width + h) if trained else 0)
+
+
+def copies_saved_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> float:
+    """What PEFT's modules_to_save copies at the language model's ends keep for backward
+    over ``t`` tokens (the tower's and projector's: tower_saved_bytes). A trained LM-head
+    copy keeps its input and, under autocast, the 16-bit cast of a wider weight (as full
+    fine-tuning's head does, memory/training.py). A copy before the first layer
+    (embedding, projector, tower) puts the whole decoder on the gradient's path: the
+    first layer's input norm keeps its fp32 input, which a run without checkpointing and
+    with nothing trained before the first adapter does not keep (memory/training.py
+    subtracts it there)."""
+    copied = copied_parts(spec, cfg)
+    if not copied:
+        return 0
+    out = 0.0
+    if "lm_head" in copied and stage_plan(cfg).head in ("lm_loss", "full_logprobs",
+                                                         "kernel_logprobs"):
+        out += dt.act_bytes * t * spec.hidden_size
+        copy_bytes = saved_copy_dtypes(cfg, dt).trainable_bytes
+        if dt.autocast and copy_bytes != dt.act_bytes:
+            out += dt.act_bytes * spec.vocab_size * spec.hidden_size
+    if copied - {"lm_head"} and not cfg.grad_ckpt and tower_plan(spec, cfg) is None:
+        out += 4 * t * spec.hidden_size + 4 * t * 2
+    return out
 
 
 def tower_forward_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes) -> float:
@@ -233,8 +273,9 @@ def vision_assumptions(spec: ModelSpec, cfg: RunConfig) -> list[str]:
     plan = tower_plan(spec, cfg)
     if plan is None:
         out.append("vision tower frozen: run without a graph, its forward one layer at a time")
-    elif cfg.method == "full":
-        out.append("vision tower trained: every tower layer keeps its activations")
+    elif plan.trainable:
+        copy = " (its modules_to_save copy)" if cfg.method != "full" else ""
+        out.append(f"vision tower trained{copy}: every tower layer keeps its activations")
     else:
         out.append(f"LoRA reaches the vision tower ({', '.join(sorted(plan.lora))}): every "
                    "tower layer keeps its activations")

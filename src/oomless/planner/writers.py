@@ -196,6 +196,8 @@ def llamafactory_config(cfg: RunConfig, spec: ModelSpec, model_id: str, family: 
         lf.update({"lora_rank": cfg.lora.r, "lora_alpha": cfg.lora.alpha,
                    "lora_dropout": cfg.lora.dropout,
                    "lora_target": "all" if targets == "all-linear" else ",".join(targets)})
+        if cfg.lora.modules_to_save:  # PEFT modules_to_save as LLaMA-Factory names it
+            lf["additional_target"] = ",".join(cfg.lora.modules_to_save)
     if cfg.method == "qlora":
         lf.update({"quantization_bit": cfg.quantization.bits,
                    "quantization_method": cfg.quantization.method,

@@ -199,6 +199,7 @@ def _apply_lora(model: Any, cfg: RunConfig, task_type: str = "CAUSAL_LM") -> Any
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
         target_modules=modules,
+        modules_to_save=list(cfg.lora.modules_to_save) or None,  # trainable copies (PEFT)
         task_type=task_type,
     )
     try:

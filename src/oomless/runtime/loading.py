@@ -159,7 +159,8 @@ def _wrap_lora(model: Any, cfg: RunConfig, quantized: bool) -> Any:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     lc = cfg.lora
     peft_cfg = LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                          target_modules=lc.targets, task_type="CAUSAL_LM")
+                          target_modules=lc.targets, task_type="CAUSAL_LM",
+                          modules_to_save=list(lc.modules_to_save) or None)
     return get_peft_model(model, peft_cfg)
 
 

@@ -17,7 +17,7 @@ from ..units import fmt_bytes
 # The stacked bar's groups: the estimate's categories (result.py) in the words of the
 # issue tracker and the calculators people know; a category not listed is "other".
 GROUPS: dict[str, tuple[str, ...]] = {
-    "weights": ("weights", "lora_adapters", "zero3_gathered"),
+    "weights": ("weights", "lora_adapters", "saved_modules", "zero3_gathered"),
     "gradients": ("gradients", "grad_partition_fp32", "ddp_buckets"),
     "optimizer": ("optimizer", "master_weights"),
     "activations": ("activations", "kv_cache"),

@@ -116,8 +116,7 @@ def saved_modules(name: str, method: str, tool: str | None, s: dict[str, F.Setti
                   r: Reading) -> None:
     """Qwen finetune.py trains the embedding and the output layer (PEFT modules_to_save
     ["wte", "lm_head"]) when LoRA runs on a model whose name has no 'chat' (its README:
-    "LoRA (emb)"); the estimate has no trainable embeddings yet: said, not counted.
-    A tool whose row names the modules_to_save its code passes to LoraConfig
+    "LoRA (emb)"). A tool whose row names the modules_to_save its code passes to LoraConfig
     (``lora_modules_to_save``: always, and those a true flag adds) records them in
     ``facts["modules_to_save"]``: check decides against the model's parts what they are
     (oomless.check.assemble)."""
@@ -130,11 +129,18 @@ def saved_modules(name: str, method: str, tool: str | None, s: dict[str, F.Setti
                 added_by |= dict.fromkeys(more, flag)
         r.facts["modules_to_save"] = {"names": names, "added_by": added_by,
                                       "who": F.TOOLS[tool]["label"]}
+    given = s.get("lora_modules_to_save")
+    if method in ("lora", "qlora") and given is not None and given.value:
+        value, who = given.value, F.TOOLS[tool]["label"] if tool else "the script"
+        r.facts["modules_to_save"] = {
+            "names": [str(v) for v in (value if isinstance(value, list) else [value])],
+            "added_by": {}, "who": f"{who} --{given.key}"}
     if tool == "qwen-finetune" and method == "lora" and "chat" not in name.lower():
-        r.assumptions.append(
-            f"Qwen finetune.py trains wte and lm_head (modules_to_save) for '{name}' (no "
-            "'chat' in its name): their trainable copies, gradients and AdamW states are not "
-            "counted (Qwen's README measures LoRA (emb) on Qwen-7B ~14 GB above LoRA)")
+        # QwenLM/Qwen finetune.py train(): modules_to_save = None if q_lora or is_chat_model
+        # else ["wte", "lm_head"] (is_chat_model: 'chat' in the model name)
+        r.facts["modules_to_save"] = {"names": ["wte", "lm_head"], "added_by": {},
+                                      "who": f"Qwen finetune.py (for '{name}', no 'chat' in "
+                                             "its name)"}
 
 
 def _vision(s: dict[str, F.Setting], tool: str | None, extra: dict[str, Any]) -> None:

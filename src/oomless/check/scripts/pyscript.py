@@ -26,7 +26,7 @@ _MODEL_KEYS = {"load_in_4bit": "load_in_4bit", "load_in_8bit": "load_in_8bit",
                "max_seq_length": "max_seq_length", "dtype": "torch_dtype",
                "torch_dtype": "torch_dtype", "attn_implementation": "attn_implementation"}
 _LORA_KEYS = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-              "target_modules": "lora_target_modules",
+              "target_modules": "lora_target_modules", "modules_to_save": "modules_to_save",
               "use_gradient_checkpointing": "gradient_checkpointing"}
 _TRAINER_KEYS = {"max_seq_length": "max_seq_length", "max_length": "max_length",
                  "packing": "packing"}

@@ -118,6 +118,15 @@ def after_lora(model: Any, cfg: RunConfig) -> list[str]:
             if param.requires_grad and "lora_magnitude_vector" not in name:
                 param.data = param.data.to(torch.bfloat16)
         notes.append("QLoRA adapters cast to bf16 as TRL's SFTTrainer does")
+    if cfg.stack == "llamafactory" and cfg.lora.modules_to_save and not (
+            cfg.zero == 3 or cfg.fsdp.version or cfg.precision == "pure-bf16"):
+        # LLaMA-Factory model/adapter.py init_adapter: cast_trainable_params_to_fp32 (the
+        # adapters are fp32 already; PEFT's modules_to_save copies are not)
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.to(torch.float32)
+        notes.append("LLaMA-Factory casts the trainable parameters (modules_to_save copies "
+                     "included) to fp32")
     if fx.fused_loss == "trl":
         from trl.trainer.utils import add_fused_lm_head
 

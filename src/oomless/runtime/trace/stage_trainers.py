@@ -96,6 +96,7 @@ def _trainer(stage: str, cfg: RunConfig, hf_config: dict[str, Any], recorder: li
         targets = cfg.lora.targets
         peft = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                           target_modules=targets if targets == "all-linear" else list(targets),
+                          modules_to_save=list(cfg.lora.modules_to_save) or None,
                           task_type="SEQ_CLS" if stage == "rm" else "CAUSAL_LM")
     common = dict(output_dir=tempfile.mkdtemp(prefix="oomless-trl-"), report_to=[],
                   per_device_train_batch_size=2, save_strategy="no", logging_strategy="no",
