@@ -199,3 +199,25 @@ def test_a_fused_loss_keeps_an_fp32_gradient_of_a_copied_heads_weight():
     head, plain = (_cfg(s, data={}, stack_options=liger) for s in (["lm_head"], []))
     assert logits_bytes(SPEC, head, dtypes_for(head), t)["backward"] - logits_bytes(
         SPEC, plain, dtypes_for(plain), t)["backward"] == 4 * SPEC.vocab_size * SPEC.hidden_size
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b-lora-4x512-save-embed-head",
+                                  "llama-3.2-1b-lora-2x1024-ckpt-save-embed"])
+def test_copies_match_a_gpu_measurement(name):
+    """Measured on an NVIDIA H200 (benchmarks/results/gpu_streams, 2026-11-26): LoRA with
+    PEFT's trainable copies of embed_tokens (and the tied lm_head) — the analytic
+    allocated peak within 0.5%, reserved within 2%."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    from oomless.models.hardware import Cluster, get_gpu
+
+    path = Path(__file__).parents[2] / "benchmarks/results/gpu_streams" / f"{name}.json.gz"
+    with gzip.open(path, "rt") as f:
+        rec = json.load(f)
+    cfg = RunConfig.model_validate({**rec["config"], "hardware": {"gpu": "h200"}})
+    est = estimate_training(resolve_model(cfg.model).spec, cfg, Cluster(get_gpu("h200")))
+    measured = rec["measured"]
+    assert abs(est.peak_allocated_bytes / measured["peak_allocated_bytes"] - 1) < 0.005
+    assert abs(est.peak_reserved_bytes / measured["peak_reserved_bytes"] - 1) < 0.02
