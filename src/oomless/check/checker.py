@@ -109,17 +109,23 @@ def phase_device_bytes(spec: ModelSpec, cfg: RunConfig, cluster: Cluster) -> dic
         allocator_reserve_bytes,
         late_dense_block_bytes,
         non_pytorch_bytes,
+        streamed_reserve_bytes,
     )
-    from ..memory.training import largest_block_bytes, training_phases
+    from ..memory.training import largest_block_bytes, step_kit, training_phases
 
-    phases, persistent, _st = training_phases(spec, cfg, cluster)
+    phases, persistent, st = training_phases(spec, cfg, cluster)
     block, late = largest_block_bytes(spec, cfg), late_dense_block_bytes(spec, cfg)
     fixed = sum(persistent.values())
     non_pt = sum(non_pytorch_bytes(cluster, cfg.world_size).values())
+    # where the step's stream is synthesized, its replayed reserve (the estimate's own)
+    streamed, _ = streamed_reserve_bytes(spec, cfg, persistent, lambda: step_kit(spec, cfg),
+                                         False, st.paged_bytes)
     out = {}
     for phase, parts in phases.items():
         alloc = sum(parts.values())
-        out[phase] = alloc + allocator_reserve_bytes(alloc, fixed, False, block, late) + non_pt
+        reserve = allocator_reserve_bytes(alloc, fixed, False, block, late) \
+            if streamed is None else streamed
+        out[phase] = alloc + reserve + non_pt
     return out
 
 
