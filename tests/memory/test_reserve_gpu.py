@@ -89,3 +89,21 @@ def test_the_synthesized_stream_beats_the_proxy_on_the_gpu_streams():
     streamed, proxy = ([abs(e[i]) for e in errors] for i in (0, 1))
     assert sorted(streamed)[len(streamed) // 2] < sorted(proxy)[len(proxy) // 2]
     assert max(streamed) < max(proxy)
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"zero": 2, "hardware": {"gpu": "h200", "gpus_per_node": 2}}, "DeepSpeed ZeRO / FSDP"),
+    ({"method": "qlora"}, "method qlora"),
+    ({"stage": "dpo"}, "stage dpo"),
+    ({"optimizer": "adafactor"}, "optimizer adafactor"),
+])
+def test_the_proxy_stays_where_the_stream_is_not_modelled_and_says_so(change, why):
+    base = {"model": "qwen2.5-0.5b-instruct", "method": "lora", "seq_len": 512,
+            "hardware": {"gpu": "h200"}}
+    spec = resolve_model(base["model"]).spec
+    streamed = estimate_training(spec, RunConfig.model_validate(base))
+    assert any("in the order the step requests them" in a for a in streamed.assumptions)
+    proxy = estimate_training(spec, RunConfig.model_validate({**base, **change}))
+    text = " ".join(proxy.assumptions)
+    assert f"the step's stream is not synthesized for {why}" in text
+    assert "in the order the step requests them" not in text

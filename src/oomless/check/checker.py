@@ -106,6 +106,7 @@ class CheckResult:
 def phase_device_bytes(spec: ModelSpec, cfg: RunConfig, cluster: Cluster) -> dict[str, int]:
     """Predicted device bytes (nvidia-smi) at each phase's own peak."""
     from ..memory.overheads import (
+        STREAMED_PHASES,
         allocator_reserve_bytes,
         late_dense_block_bytes,
         non_pytorch_bytes,
@@ -123,8 +124,8 @@ def phase_device_bytes(spec: ModelSpec, cfg: RunConfig, cluster: Cluster) -> dic
     out = {}
     for phase, parts in phases.items():
         alloc = sum(parts.values())
-        reserve = allocator_reserve_bytes(alloc, fixed, False, block, late) \
-            if streamed is None else streamed
+        reserve = streamed if streamed is not None and phase in STREAMED_PHASES else \
+            allocator_reserve_bytes(alloc, fixed, False, block, late)
         out[phase] = alloc + reserve + non_pt
     return out
 

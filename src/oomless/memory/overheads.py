@@ -103,8 +103,10 @@ def finish_estimate(*, spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None,
     peak_phase, peak_alloc, reserve, non_pt = peak_bytes(
         phases, persistent, cluster, cfg.world_size, expandable_segments, largest_block,
         late_block)
-    if streamed_reserve is not None:
+    if streamed_reserve is not None and peak_phase in STREAMED_PHASES:
         reserve = streamed_reserve
+    elif streamed_reserve is not None:  # evaluation / generation: not in the stream
+        streamed_reserve, fallback = None, f"the {peak_phase} phase"
     assumptions = assumptions + [reserve_assumption(
         streamed_reserve is not None, fallback, late_block, expandable_segments)] + [
         "CUDA context 500 MiB (lazy loading), and 234 MiB of kernel images and library "
@@ -146,6 +148,9 @@ def finish_estimate(*, spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None,
 # allocator model: the reserve is the replay's reserved peak minus its allocated peak.
 
 
+STREAMED_PHASES = ("forward", "backward", "optimizer")  # the training step's
+
+
 class StepKit(NamedTuple):
     """The training model's quantities the stream needs (training.py computes them)."""
 
@@ -179,7 +184,6 @@ def stream_fallback(spec: ModelSpec, cfg: RunConfig, expandable: bool,
         (bool(fx.fused_loss) or fx.compiled or fx.optimizer_in_bwd or fx.setup_upcast,
          f"stack {cfg.stack}'s loss/compile/optimizer path"),
         (spec.is_moe, "MoE layers"),
-        (cfg.eval.predict_with_generate, "generation in evaluation"),
         (tower_plan(spec, cfg) is not None and cfg.grad_ckpt and spec.vision.checkpointed,
          "a trained, checkpointed vision tower"),
     )
