@@ -10,7 +10,7 @@ order the libraries request them, for ``steps`` optimizer steps:
   (transformers ``modeling_utils`` walks the checkpoint keys sorted by
   ``dot_natural_key``), then the other persistent blocks;
 - each micro batch's forward: per layer the tensors autograd saves (kept) and
-  its working set (freed at once); under gradient checkpointing only the
+  its working set (each temporary freed once the next one is made); under gradient checkpointing only the
   layer's input is kept and the layer's tensors are freed as soon as made
   (``torch.utils.checkpoint``, non-reentrant), except the 16-bit weight copies
   autocast caches for leaves that require grad (``at::autocast::cached_cast``),
@@ -98,18 +98,25 @@ def _layers_forward(s: _Stream, b: TrainingBlocks, cached: list[int]) -> list[li
     for layer in range(b.layers):
         if b.layer_input:  # nothing is saved: each tensor goes once the next is made
             cached += [s.alloc(n) for n in b.forward_cached]
-            last = 0
-            for n in b.layer_saved + b.forward_work:
-                key = s.alloc(n)
-                s.free(last)
-                last = key
+            last = _chain(s, b.layer_saved + b.forward_work)
             if layer + 1 < b.layers:  # the layer's output, the next one's input
                 kept.append([s.alloc(b.layer_input)])
             s.free(last)
         else:
             kept.append([s.alloc(n) for n in b.layer_saved])
-            s.free(*[s.alloc(n) for n in b.forward_work])
+            s.free(_chain(s, b.forward_work))
     return kept
+
+
+def _chain(s: _Stream, sizes: tuple[int, ...]) -> int:
+    """Temporaries each consumed by the next: one is freed once the next is made; the
+    last one's key (0: none) is left for the caller to free."""
+    last = 0
+    for n in sizes:
+        key = s.alloc(n)
+        s.free(last)
+        last = key
+    return last
 
 
 def _grads(s: _Stream, b: TrainingBlocks, span: tuple[int, int], live: dict[int, int]) -> None:

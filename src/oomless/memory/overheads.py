@@ -317,8 +317,9 @@ def training_blocks(spec: ModelSpec, cfg: RunConfig, persistent: dict[str, int],
         layers=spec.num_layers,
         layer_saved=layer_saved_blocks(spec, b, s, dt, kit.plan),
         layer_input=dt.resid_bytes * t * h if cfg.grad_ckpt else 0,
-        forward_work=scores[:1] + _forward_work(kit.forward_work_bytes, dt.resid_bytes * t * h,
-                                                dt.act_bytes * t * width),
+        # eager: the scores, their sum with the mask, softmax's fp32 copy; then the MLP's
+        forward_work=scores[:1] * 2 + scores[1:2] + _forward_work(
+            kit.forward_work_bytes, dt.resid_bytes * t * h, dt.act_bytes * t * width),
         backward_work=tuple(mlp_grads) + scores, grad_casts=tuple(p["grad_casts"]),
         before_layers=before, shared=(max(0, kit.shared_bytes - mask),),
         loss_forward=loss_fwd, loss_backward=loss_bwd, loss_release=loss_after,
@@ -329,7 +330,9 @@ def training_blocks(spec: ModelSpec, cfg: RunConfig, persistent: dict[str, int],
 
 def _eager_score_blocks(spec: ModelSpec, dt, kit: StepKit) -> tuple[int, ...]:
     """Eager attention's (heads × s × s) temporaries, which the layer's saved tensors
-    and working set leave out: the 16-bit scores before the softmax (forward), and in the
+    and working set leave out: in the forward the 16-bit scores, their sum with the
+    causal mask, and the fp32 copy ``softmax(..., dtype=torch.float32)`` makes of its
+    input before it runs (aten SoftMax.cpp ``softmax``: ``input.toType(dtype)``); in the
     backward the probabilities' 16-bit gradient (matmul backward), its fp32 copy
     (``ToCopyBackward`` of ``softmax(..., dtype=torch.float32).to(dtype)``), the fp32
     gradient of the scores (``_softmax_backward_data``) and its 16-bit cast
