@@ -47,7 +47,12 @@ def test_lora_by_hand():
     assert est.peak_phase == "backward"
     persistent = 404096 + 14336 + 28672 + CUBLAS
     assert est.peak_allocated_bytes == persistent + 264704 + 768000
-    assert est.peak_reserved_bytes == est.peak_allocated_bytes + 64 * MiB  # reserve floor
+    # the reserve from the synthesized stream (oomless.allocator.synthetic): every block
+    # but the cuBLAS workspaces (whole 2 MiB multiples) is at most 1 MiB, so all of them
+    # share the small pool's 2 MiB segments, and what is cached but free stays under one
+    reserve = est.peak_reserved_bytes - est.peak_allocated_bytes
+    assert 0 < reserve < 2 * MiB
+    assert est.extra["allocator_reserve_bytes"] == reserve
     # CUDA context and the kernel images the step loads
     assert est.device_peak_bytes == est.peak_reserved_bytes + 500 * MiB + 234 * MiB
 

@@ -51,3 +51,60 @@ def test_full_fine_tuning_reserve_includes_the_late_embedding_gradient(config):
     lora = estimate_training(spec, cfg.replace(method="lora"), Cluster(get_gpu("h200")))
     assert late_dense_block_bytes(spec, cfg.replace(method="lora")) == 0
     assert "dense gradient" not in " ".join(lora.assumptions)
+
+
+STREAM_ROWS = [
+    {"model": "gemma-2-2b-it", "method": "full", "micro_batch_size": 2, "seq_len": 1024},
+    {"model": "llama-3.2-1b-instruct", "method": "full", "micro_batch_size": 1, "seq_len": 2048},
+    {"model": "llama-3.2-1b-instruct", "method": "lora", "micro_batch_size": 4, "seq_len": 512,
+     "grad_ckpt": True, "attn": "eager"},
+    {"model": "phi-2", "method": "lora", "micro_batch_size": 1, "seq_len": 2048,
+     "grad_ckpt": True},
+    {"model": "qwen2.5-0.5b-instruct", "method": "full", "micro_batch_size": 1,
+     "seq_len": 2048, "grad_ckpt": True},
+    {"model": "qwen2.5-7b-instruct", "method": "full", "micro_batch_size": 1, "seq_len": 1024,
+     "grad_ckpt": True},
+]
+
+
+def _reserved_errors(config: dict) -> tuple[float, float]:
+    """(streamed, proxy) relative error of the analytic reserved bytes against the GPU."""
+    measured = _measured(config)["peak_reserved_bytes"]
+    cfg = RunConfig.model_validate({**config, "hardware": {"gpu": "h200"}})
+    spec = resolve_model(cfg.model).spec
+    streamed = estimate_training(spec, cfg, Cluster(get_gpu("h200")))
+    assert "replayed through the caching-allocator model" in " ".join(streamed.assumptions)
+    proxy = estimate_training(spec, cfg, Cluster(get_gpu("h200")), synthesize_stream=False)
+    return (streamed.peak_reserved_bytes / measured - 1, proxy.peak_reserved_bytes / measured - 1)
+
+
+@pytest.mark.slow
+def test_the_synthesized_stream_beats_the_proxy_on_the_gpu_streams():
+    """The six GPU event streams the stream covers (H200; the QLoRA row is not
+    synthesized): no row more than one point worse than the calibrated proxy, and both
+    the median and the worst |error| smaller (proxy: 5.6% and 7.5%; synthesized: 2.9% and
+    5.9%, measured 2026-11-26)."""
+    errors = [_reserved_errors(c) for c in STREAM_ROWS]
+    for streamed, proxy in errors:
+        assert abs(streamed) <= abs(proxy) + 0.01
+    streamed, proxy = ([abs(e[i]) for e in errors] for i in (0, 1))
+    assert sorted(streamed)[len(streamed) // 2] < sorted(proxy)[len(proxy) // 2]
+    assert max(streamed) < max(proxy)
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"zero": 2, "hardware": {"gpu": "h200", "gpus_per_node": 2}}, "DeepSpeed ZeRO / FSDP"),
+    ({"method": "qlora"}, "method qlora"),
+    ({"stage": "dpo"}, "stage dpo"),
+    ({"optimizer": "adafactor"}, "optimizer adafactor"),
+])
+def test_the_proxy_stays_where_the_stream_is_not_modelled_and_says_so(change, why):
+    base = {"model": "qwen2.5-0.5b-instruct", "method": "lora", "seq_len": 512,
+            "hardware": {"gpu": "h200"}}
+    spec = resolve_model(base["model"]).spec
+    streamed = estimate_training(spec, RunConfig.model_validate(base))
+    assert any("in the order the step requests them" in a for a in streamed.assumptions)
+    proxy = estimate_training(spec, RunConfig.model_validate({**base, **change}))
+    text = " ".join(proxy.assumptions)
+    assert f"the step's stream is not synthesized for {why}" in text
+    assert "in the order the step requests them" not in text

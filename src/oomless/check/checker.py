@@ -106,20 +106,27 @@ class CheckResult:
 def phase_device_bytes(spec: ModelSpec, cfg: RunConfig, cluster: Cluster) -> dict[str, int]:
     """Predicted device bytes (nvidia-smi) at each phase's own peak."""
     from ..memory.overheads import (
+        STREAMED_PHASES,
         allocator_reserve_bytes,
         late_dense_block_bytes,
         non_pytorch_bytes,
+        streamed_reserve_bytes,
     )
-    from ..memory.training import largest_block_bytes, training_phases
+    from ..memory.training import largest_block_bytes, step_kit, training_phases
 
-    phases, persistent, _st = training_phases(spec, cfg, cluster)
+    phases, persistent, st = training_phases(spec, cfg, cluster)
     block, late = largest_block_bytes(spec, cfg), late_dense_block_bytes(spec, cfg)
     fixed = sum(persistent.values())
     non_pt = sum(non_pytorch_bytes(cluster, cfg.world_size).values())
+    # where the step's stream is synthesized, its replayed reserve (the estimate's own)
+    streamed, _ = streamed_reserve_bytes(spec, cfg, persistent, lambda: step_kit(spec, cfg),
+                                         False, st.paged_bytes)
     out = {}
     for phase, parts in phases.items():
         alloc = sum(parts.values())
-        out[phase] = alloc + allocator_reserve_bytes(alloc, fixed, False, block, late) + non_pt
+        reserve = streamed if streamed is not None and phase in STREAMED_PHASES else \
+            allocator_reserve_bytes(alloc, fixed, False, block, late)
+        out[phase] = alloc + reserve + non_pt
     return out
 
 

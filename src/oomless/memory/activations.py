@@ -254,6 +254,42 @@ def _mlp(saved: _Saved, spec: ModelSpec, tokens: int, width: int, dt: Dtypes,
 def layer_activation_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: LayerPlan,
                            moe_layer: bool = False) -> float:
     """Bytes autograd keeps for one decoder layer's backward."""
+    return _layer_saved(spec, b, s, dt, plan, moe_layer).total
+
+
+def layer_saved_blocks(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: LayerPlan,
+                       moe_layer: bool = False) -> tuple[int, ...]:
+    """The blocks of layer_activation_bytes, one per saved tensor, in the order the
+    layer's forward makes them."""
+    out: list[int] = []
+    for name, n in _layer_saved(spec, b, s, dt, plan, moe_layer).by_name.items():
+        if name == "weight_casts":  # autocast casts each weight when its linear runs
+            out += [round(fresh_block_bytes(c)) for c in _cast_sizes(spec, dt, plan, moe_layer)]
+        elif n:
+            out.append(round(n))
+    return tuple(out)
+
+
+def layer_cast_blocks(spec: ModelSpec, dt: Dtypes, plan: LayerPlan) -> tuple[int, ...]:
+    """The 16-bit copies autocast makes of one layer's fp32 trained weights (none
+    without autocast or when they are already 16-bit), see _weight_casts."""
+    if not dt.autocast or dt.trainable_bytes == dt.act_bytes:
+        return ()
+    return tuple(round(fresh_block_bytes(c)) for c in _cast_sizes(spec, dt, plan, False))
+
+
+def _cast_sizes(spec: ModelSpec, dt: Dtypes, plan: LayerPlan, moe_layer: bool) -> list[int]:
+    """One 16-bit copy per weight _weight_casts counts, in the layer's order."""
+    lins = spec.layer_linears(moe_layer)
+    if plan.trainable:
+        return [dt.act_bytes * lin.weight_params for lin in lins if lin.role != "router"]
+    return [dt.act_bytes * plan.lora_r * f * lin.count for lin in lins
+            if lin.name in plan.lora and lin.role not in ("expert", "router")
+            for f in (lin.in_features, lin.out_features)]
+
+
+def _layer_saved(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: LayerPlan,
+                 moe_layer: bool) -> _Saved:
     saved = _Saved()
     t = b * s
     h = spec.hidden_size
@@ -288,7 +324,7 @@ def layer_activation_bytes(spec: ModelSpec, b: int, s: int, dt: Dtypes, plan: La
         if spec.shared_expert_intermediate_size:
             _mlp(saved, spec, t, spec.shared_expert_intermediate_size, dt, plan, src, nb,
                  "shared")
-    return saved.total
+    return saved
 
 
 # ---- torch.compile ------------------------------------------------------------------

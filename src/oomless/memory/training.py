@@ -35,7 +35,7 @@ from .gemma import effective_attn, gemma_assumptions, is_sliding_layer, sliding_
 from .loss_paths import largest_logits_block_bytes
 from .loss_paths import logits_bytes as stack_logits_bytes
 from .moe_lora import merged_expert_saved_bytes, moe_lora_assumptions
-from .overheads import finish_estimate, late_dense_block_bytes
+from .overheads import StepKit, finish_estimate, late_dense_block_bytes, streamed_reserve_bytes
 from .ppo import PpoKit, ppo_phases
 from .precision import Dtypes, dtypes_for
 from .quantized import lora_input_kept_uncast as _kept_uncast
@@ -309,12 +309,15 @@ def setup_phase_bytes(spec: ModelSpec, cfg: RunConfig, persistent: dict) -> dict
 
 
 def estimate_training(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = None,
-                      expandable_segments: bool = False) -> MemoryEstimate:
+                      expandable_segments: bool = False,
+                      synthesize_stream: bool = True) -> MemoryEstimate:
     """Predict per-GPU memory of one fine-tuning run at its peak.
 
     Returns a MemoryEstimate whose ``breakdown`` holds every phase's
     categories (they add up to the phase's allocated bytes), the peak phase,
     and the reserved/device peaks after allocator and CUDA overheads.
+    ``synthesize_stream`` False: the allocator reserve from the calibrated proxy
+    even where the step's stream is modelled (what the planner's search scores).
     """
     phases, gpu_state, st = training_phases(spec, cfg, cluster)
     assumptions = list(st.assumptions) + _training_assumptions(spec, cfg)
@@ -326,12 +329,30 @@ def estimate_training(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None =
         extra["reserved_after_load_bytes"] = loaded["reserved_bytes"]
         extra["allocated_after_load_bytes"] = loaded["allocated_bytes"]
         assumptions.append(load_assumption(spec, cfg, loaded))
+    streamed, fallback = streamed_reserve_bytes(
+        spec, cfg, gpu_state, lambda: step_kit(spec, cfg), expandable_segments,
+        st.paged_bytes) if synthesize_stream else (None, "the planner's search")
     return finish_estimate(
         spec=spec, cfg=cfg, cluster=cluster, phases=phases, persistent=gpu_state,
         trainable=st.trainable_params, host_bytes=st.host_bytes, paged_bytes=st.paged_bytes,
         assumptions=assumptions, expandable_segments=expandable_segments,
         largest_block=largest_block_bytes(spec, cfg), late_block=late_dense_block_bytes(spec, cfg),
-        extra=extra)
+        extra=extra, streamed_reserve=streamed, fallback=fallback)
+
+
+def step_kit(spec: ModelSpec, cfg: RunConfig) -> StepKit:
+    """The quantities the synthesized stream needs (memory/overheads.py training_blocks)."""
+    dt = dtypes_for(cfg)
+    b, s = cfg.micro_batch_size, llm_seq_len(spec, cfg)
+    acts = saved_activation_bytes(spec, cfg, dt, b, s)
+    per_layer = dt.resid_bytes * b * s * spec.hidden_size if cfg.grad_ckpt else \
+        _layer_bytes(spec, b, s, dt, layer_plan(spec, cfg), False)
+    tower = tower_saved_bytes(spec, cfg, dt)["layers"]  # the stream lays the tower out itself
+    return StepKit(layer_plan(spec, cfg), b * s, b, s,
+                   round(acts["layers"] - spec.num_layers * per_layer - tower),
+                   round(forward_transient_bytes(spec, cfg, dt, b * s)),
+                   round(merged_input_bytes(spec, cfg, dt, b * s)),
+                   round(tower_forward_bytes(spec, cfg, dt)))
 
 
 def training_phases(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = None,

@@ -26,7 +26,7 @@ from ..knobs import OPTIMIZERS
 from ..models.spec import ModelSpec
 from ..units import fmt_bytes
 from .candidates import SEARCH_ASSUMPTIONS, PlanRequest, batch_splits, families
-from .scoring import CandidateScorer, Fit
+from .scoring import CandidateScorer, Fit, over_budget_bytes
 from .speed import ASSUMPTIONS as SPEED_ASSUMPTIONS
 from .speed import StepTime
 
@@ -237,6 +237,24 @@ def _pick(req: PlanRequest, found: list[_Found]) -> list[_Found]:
     return sorted(best.values(), key=lambda f: f.key)[: req.top]
 
 
+def _verified(spec: ModelSpec, req: PlanRequest, top: list[_Found],
+              found: list[_Found]) -> tuple[list[_Found], list[_Found]]:
+    """(top, found) after re-estimating the picks with the full estimate: the search
+    scores the allocator reserve with the calibrated proxy (a replay per candidate
+    would cost milliseconds each), the single estimate replays the step's synthesized
+    stream (memory/overheads.py); a pick that no longer fits is dropped and the next
+    one picked."""
+    from ..memory.training import estimate_training
+
+    while True:
+        over = [f for f in top if over_budget_bytes(
+            estimate_training(spec, f.cfg, req.cluster).device_peak_bytes, req) > 0]
+        if not over:
+            return top, found
+        found = [f for f in found if all(f is not o for o in over)]
+        top = _pick(req, found)
+
+
 def method_reasons(req: PlanRequest, found: list[_Found], missed: dict) -> dict[str, str]:
     """Why a plan's method is not the requested one (--method auto, or a retry after the
     requested method did not fit): {method: reason}, for the plans' change lists."""
@@ -311,6 +329,7 @@ def search(spec: ModelSpec, req: PlanRequest) -> PlanResult:
                    fit.host_short_bytes)
               for g, (fit, cfg) in sorted(missed.items(), key=lambda kv: kv[1][0].over_bytes)
               if g not in fitting_groups]
+    top, found = _verified(spec, req, top, found)
     elapsed = time.perf_counter() - t0
     reasons = method_reasons(req, found, missed)
     plans = [_to_plan(spec, req, f, reasons) for f in top]

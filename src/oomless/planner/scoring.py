@@ -45,6 +45,15 @@ class FamilyContext:
     weight_bytes_16: float
 
 
+def over_budget_bytes(device: int, req: PlanRequest) -> int:
+    """How far a device peak is over the request's budget: a plan keeps the headroom and
+    its upper bound (memory/band.py) fits the GPU."""
+    over = device - req.budget_bytes
+    if req.within_band:
+        over = max(over, band_bytes(device)[1] - req.cluster.gpu.memory_bytes)
+    return over
+
+
 class CandidateScorer:
     """Memory and speed of candidates for one request (per-family caching)."""
 
@@ -69,10 +78,7 @@ class CandidateScorer:
         host_short = 0
         if st.host_bytes and self.req.host_ram_bytes:
             host_short = max(0, st.host_bytes - self.req.host_ram_bytes)
-        # a plan keeps the headroom and its upper bound (memory/band.py) fits the GPU
-        over = device - self.budget_bytes
-        if self.req.within_band:
-            over = max(over, band_bytes(device)[1] - self.cluster.gpu.memory_bytes)
+        over = over_budget_bytes(device, self.req)
         return Fit(device, phase, st.host_bytes, st.paged_bytes,
                    over <= 0 and host_short == 0, over, host_short)
 

@@ -1,0 +1,50 @@
+"""oomless.allocator.synthetic: a training run's stream laid out from block sizes."""
+
+from __future__ import annotations
+
+from oomless.allocator.replay import ALLOC, FREE
+from oomless.allocator.synthetic import TrainingBlocks, replayed_peaks, training_events
+
+MiB = 2**20
+
+
+def _run(**kw) -> TrainingBlocks:
+    base = dict(weights=(100 * MiB, 100 * MiB), persistent=(), grads=(100 * MiB, 100 * MiB),
+                grad_casts=(0, 0), layer_grads=((0, 2),), head_grads=(2, 2),
+                embed_grads=(2, 2), states=(100 * MiB, 100 * MiB), state_count=2, layers=1,
+                layer_saved=(50 * MiB,), layer_input=0, forward_work=(), backward_work=(),
+                loss_forward=(300 * MiB,), loss_backward=(-1,))
+    return TrainingBlocks(**{**base, **kw})
+
+
+def test_the_second_steps_loss_takes_a_fresh_segment_by_hand():
+    # Step 1: the 300 MiB loss block has no cached block that fits: a segment of its own.
+    # Freed, it takes both 100 MiB gradients and the first optimizer state; the other
+    # three states get segments of their own. zero_grad frees the gradients (200 MiB
+    # cached), so step 2's loss block needs a second 300 MiB segment:
+    # reserved 200 + 50 + 300 + 3·100 + 300 = 1150 MiB; allocated peaks in step 2's
+    # loss: weights 200 + states 400 + saved 50 + loss 300 = 950 MiB.
+    assert replayed_peaks(_run()) == (950 * MiB, 1150 * MiB)
+    # one step only: the first step's states are the peak (200 + 200 + 400), 850 reserved
+    assert replayed_peaks(_run(), steps=1) == (800 * MiB, 850 * MiB)
+
+
+def test_every_block_is_freed_but_the_persistent_ones():
+    events = training_events(_run(layer_input=10 * MiB, forward_work=(20 * MiB,),
+                                  backward_work=(30 * MiB,), grad_casts=(50 * MiB, 0),
+                                  forward_cached=(5 * MiB,), late_work=(7 * MiB,)))
+    live = set()
+    for kind, key, _ in events:
+        if kind == ALLOC:
+            live.add(key)
+        else:
+            assert kind == FREE
+            live.discard(key)
+    assert len(live) == 2 + 4  # the weights and the optimizer states
+
+
+def test_gradient_accumulation_makes_each_grad_once_per_step():
+    events = training_events(_run(micro_batches=3), steps=1)
+    grads = [s for kind, _, s in events if kind == ALLOC and s == 100 * MiB]
+    # 2 weights + 2 grads (once, not per micro batch) + 4 states
+    assert len(grads) == 2 + 2 + 4
