@@ -184,6 +184,7 @@ def stream_fallback(spec: ModelSpec, cfg: RunConfig, expandable: bool,
         (bool(fx.fused_loss) or fx.compiled or fx.optimizer_in_bwd or fx.setup_upcast,
          f"stack {cfg.stack}'s loss/compile/optimizer path"),
         (spec.is_moe, "MoE layers"),
+        (bool(cfg.lora.modules_to_save), "PEFT's trainable module copies (modules_to_save)"),
         (tower_plan(spec, cfg) is not None and cfg.grad_ckpt and spec.vision.checkpointed,
          "a trained, checkpointed vision tower"),
     )
