@@ -18,6 +18,7 @@ from oomless.models.families import (
     ROW_KEYS,
     family_facts,
     family_rows,
+    own_attention_rows,
     tower_kinds,
 )
 from oomless.planner.writers import lf_template, llamafactory_config, readme
@@ -152,3 +153,13 @@ def test_a_model_type_names_its_family_only_when_one_family_has_it():
     assert family_of_model_type("minicpmo") == "minicpm-o"
     assert family_of_model_type("minicpmv") is None  # MiniCPM-V-2.6 and MiniCPM-Llama3-V-2.5
     assert family_of_model_type("no-such-type") is None
+
+
+@pytest.mark.parametrize("model_type", sorted(own_attention_rows()))
+def test_every_own_attention_row_names_a_kernel_of_a_catalog_model_type(model_type):
+    from oomless.allocator.attention_blocks import KERNELS, eager_kernel
+
+    row = own_attention_rows()[model_type]
+    assert row["eager"] in KERNELS and row["eager"] != "hf_eager" and row["source"]
+    specs = [e.spec for e in list_models() if e.spec.model_type == model_type]
+    assert specs and all(eager_kernel(spec) == row["eager"] for spec in specs)

@@ -10,7 +10,9 @@ order the libraries request them, for ``steps`` optimizer steps:
   (transformers ``modeling_utils`` walks the checkpoint keys sorted by
   ``dot_natural_key``), then the other persistent blocks;
 - each micro batch's forward: per layer the tensors autograd saves (kept) and
-  its working set (each temporary freed once the next one is made); under gradient checkpointing only the
+  its working set (each temporary freed once the next one is made; attention code
+  whose temporaries are not a chain as the ops its code makes,
+  oomless.allocator.attention_blocks); under gradient checkpointing only the
   layer's input is kept and the layer's tensors are freed as soon as made
   (``torch.utils.checkpoint``, non-reentrant), except the 16-bit weight copies
   autocast caches for leaves that require grad (``at::autocast::cached_cast``),
@@ -68,6 +70,11 @@ class TrainingBlocks:
     # blocks a checkpointed layer's forward leaves in a cache until the forward returns
     forward_cached: tuple[int, ...] = ()
     late_work: tuple[int, ...] = ()  # temporaries at the backward's very end
+    # a layer's attention ops before its chained forward work (also in a checkpointed
+    # layer's recomputation) and in its backward, for attention code whose temporaries
+    # are not a chain (allocator/attention_blocks.py); each region frees its own blocks
+    attention_forward: Ops = ()
+    attention_backward: Ops = ()
     micro_batches: int = 1
 
 
@@ -98,12 +105,14 @@ def _layers_forward(s: _Stream, b: TrainingBlocks, cached: list[int]) -> list[li
     for layer in range(b.layers):
         if b.layer_input:  # nothing is saved: each tensor goes once the next is made
             cached += [s.alloc(n) for n in b.forward_cached]
+            s.region(b.attention_forward, [])
             last = _chain(s, b.layer_saved + b.forward_work)
             if layer + 1 < b.layers:  # the layer's output, the next one's input
                 kept.append([s.alloc(b.layer_input)])
             s.free(last)
         else:
             kept.append([s.alloc(n) for n in b.layer_saved])
+            s.region(b.attention_forward, [])
             s.free(_chain(s, b.forward_work))
     return kept
 
@@ -141,7 +150,10 @@ def _micro_batch(s: _Stream, b: TrainingBlocks, live_grads: dict[int, int]) -> N
     s.region(b.loss_release, loss)
     for layer in reversed(range(b.layers)):
         recomputed = [s.alloc(n) for n in b.layer_saved] if b.layer_input else []
+        if b.layer_input:
+            s.region(b.attention_forward, [])
         work = [s.alloc(n) for n in b.backward_work]
+        s.region(b.attention_backward, [])
         _grads(s, b, b.layer_grads[layer], live_grads)
         s.free(*work, *recomputed, *kept[layer])
     s.free(*shared)

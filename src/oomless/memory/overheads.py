@@ -292,6 +292,7 @@ def _loss_ops(spec: ModelSpec, cfg: RunConfig, dt, kit: StepKit) -> tuple[tuple,
 def training_blocks(spec: ModelSpec, cfg: RunConfig, persistent: dict[str, int],
                     kit: StepKit) -> TrainingBlocks:
     """The run's blocks for oomless.allocator.synthetic, from the estimate's quantities."""
+    from ..allocator.attention_blocks import attention_work
     from .activations import layer_cast_blocks, layer_saved_blocks
     from .precision import dtypes_for
 
@@ -305,7 +306,7 @@ def training_blocks(spec: ModelSpec, cfg: RunConfig, persistent: dict[str, int],
     b, s, t, h = kit.rows, kit.seq_len, kit.tokens, spec.hidden_size
     width = spec.intermediate_size
     mlp_grads = [dt.mlp * t * width] * 3 + [dt.resid_bytes * t * h] * 2
-    scores = _eager_score_blocks(spec, dt, kit)
+    attn = attention_work(spec, dt.act_bytes, b, s, kit.plan.attn)
     loss_fwd, loss_bwd, loss_after = _loss_ops(spec, cfg, dt, kit)
     mask = dt.act_bytes * b * s * s if kit.plan.attn == "eager" else 0
     before = _tower_ops(spec, cfg, dt) or tuple(
@@ -318,30 +319,16 @@ def training_blocks(spec: ModelSpec, cfg: RunConfig, persistent: dict[str, int],
         layers=spec.num_layers,
         layer_saved=layer_saved_blocks(spec, b, s, dt, kit.plan),
         layer_input=dt.resid_bytes * t * h if cfg.grad_ckpt else 0,
-        # eager: the scores, their sum with the mask, softmax's fp32 copy; then the MLP's
-        forward_work=scores[:1] * 2 + scores[1:2] + _forward_work(
+        # eager attention's temporaries (allocator/attention_blocks.py), then the MLP's
+        forward_work=attn.forward_chain + _forward_work(
             kit.forward_work_bytes, dt.resid_bytes * t * h, dt.act_bytes * t * width),
-        backward_work=tuple(mlp_grads) + scores, grad_casts=tuple(p["grad_casts"]),
+        backward_work=tuple(mlp_grads) + attn.backward_work, grad_casts=tuple(p["grad_casts"]),
+        attention_forward=attn.forward_ops, attention_backward=attn.backward_ops,
         before_layers=before, shared=(max(0, kit.shared_bytes - mask),),
         loss_forward=loss_fwd, loss_backward=loss_bwd, loss_release=loss_after,
         forward_cached=layer_cast_blocks(spec, dt, kit.plan) if cfg.grad_ckpt else (),
         late_work=(late_dense_block_bytes(spec, cfg),) if spec.tie_embeddings else (),
         micro_batches=cfg.grad_accum)
-
-
-def _eager_score_blocks(spec: ModelSpec, dt, kit: StepKit) -> tuple[int, ...]:
-    """Eager attention's (heads × s × s) temporaries, which the layer's saved tensors
-    and working set leave out: in the forward the 16-bit scores, their sum with the
-    causal mask, and the fp32 copy ``softmax(..., dtype=torch.float32)`` makes of its
-    input before it runs (aten SoftMax.cpp ``softmax``: ``input.toType(dtype)``); in the
-    backward the probabilities' 16-bit gradient (matmul backward), its fp32 copy
-    (``ToCopyBackward`` of ``softmax(..., dtype=torch.float32).to(dtype)``), the fp32
-    gradient of the scores (``_softmax_backward_data``) and its 16-bit cast
-    (transformers eager_attention_forward); () for SDPA and flash kernels."""
-    if kit.plan.attn != "eager":
-        return ()
-    n = kit.rows * spec.num_heads * kit.seq_len * kit.seq_len
-    return (dt.act_bytes * n, 4 * n, 4 * n, dt.act_bytes * n)
 
 
 def _tower_ops(spec: ModelSpec, cfg: RunConfig, dt) -> tuple[int, ...]:

@@ -75,3 +75,15 @@ def own_loss_path(model_type: str) -> str | None:
     computes the loss (remote code), or None: transformers' loss of the installed release."""
     row = _table().get("own_loss", {}).get(model_type)
     return row["loss_path"] if row else None
+
+
+def own_eager_attention(model_type: str) -> str | None:
+    """The eager-attention kernel (allocator/attention_blocks.py KERNELS name) of a model type
+    whose own code runs its own eager attention (families.json own_attention), or None:
+    transformers' ``eager_attention_forward``."""
+    row = _table().get("own_attention", {}).get(model_type)
+    return row["eager"] if row else None
+
+
+def own_attention_rows() -> dict[str, dict[str, Any]]:
+    return dict(_table().get("own_attention", {}))
