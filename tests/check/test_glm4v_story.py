@@ -22,7 +22,10 @@ Modelled through named mechanisms only:
 - the language model runs GLM-4V's own eager CoreAttention whatever attn_implementation
   says (modeling_chatglm.py SelfAttention builds CoreAttention; THUDM/GLM-4#420): fp32
   softmax over 32 heads × 2,627² positions in the recomputed layer (ModelSpec
-  sdpa_supported false);
+  sdpa_supported false), with CoreAttention's own working set: the 16-bit baddbmm
+  buffer and result and masked_fill's fp32 output stay referenced until it returns, five
+  score-sized tensors alive at once (families.json own_attention;
+  oomless.allocator.attention_blocks);
 - ChatGLM's loss casts the fp32 logits back to bf16 after the loss, next to the fp32
   logits, the shifted copy and log_softmax's output (LossPath recast_after_loss); the
   shifted logits of one sequence are a contiguous prefix, copied only from batch 2 on.
@@ -36,12 +39,13 @@ stand-in run on a GPU (NVIDIA H200, 2026-11-26; benchmarks/results/gpu_runs.md) 
 54.70 GiB and reserved 60.26 GiB: the trace and the allocator model are right about the
 stand-in, so what separates it from the README's 75 GB (about 61 GiB on the card, 65.5 GB,
 13% under) is in GLM-4V's own code, which is not at hand. The analytic estimate's
-allocator reserve (its coarse synthesized stream, oomless.allocator.synthetic: 1.8 GiB,
-without all of CoreAttention's fp32 score tensors alive at once in the forward) is
-smaller than the replay's: 57.1 GiB on the card, 18% under. At batch 2 the stand-in
-allocated 84.68 GiB and reserved
+allocator reserve (its coarse synthesized stream, oomless.allocator.synthetic, with
+CoreAttention's working set: its replay reserves 58.06 GiB after one step and 58.08 after
+two, where the trace's replay reserves 58.55 and 60.02) is smaller than the trace's:
+58.7 GiB on the card (63.0 GB), 16% under. At batch 2 the stand-in allocated 84.68 GiB
+and reserved
 92.93 GiB on the GPU (the replay: 92.88), above the 79.25 GiB an A100-80GB leaves PyTorch;
-the estimate says 88.6 GiB and even the band's lower bound (81.9 GiB) is above the card:
+the estimate says 90.9 GiB and even the band's lower bound (84.0 GiB) is above the card:
 OUT OF MEMORY, as the run was. Checked and excluded: evaluation and generation
 (eval batch 4: prefill of 4 × ~2,100 positions with eager attention, about 34 GiB; the
 Seq2SeqTrainer empties the cache after every step and prediction), the attention mask
@@ -133,8 +137,8 @@ def test_no_bf16_flag_runs_the_bf16_model_without_autocast(tmp_path):
     assert mixed.config["stack_options"]["autocast"] is None
 
 
-@pytest.mark.xfail(strict=True, reason="documented miss: batch 1 is predicted at 57.1 GiB "
-                   "(61.3 GB), 18% under the README's 75 GB (the stand-in on a GPU: 60.26 GiB "
+@pytest.mark.xfail(strict=True, reason="documented miss: batch 1 is predicted at 58.7 GiB "
+                   "(63.0 GB), 16% under the README's 75 GB (the stand-in on a GPU: 60.26 GiB "
                    "reserved, about 13% under on the card); what else the real run held is "
                    "not identified (see the module docstring)")
 def test_batch_1_is_within_15_percent_of_the_readme():
