@@ -125,8 +125,16 @@ def test_layer_expansion_equals_a_full_trace(config, options):
 
 @pytest.mark.slow
 def test_linear_extrapolation_equals_a_full_trace_in_allocated_bytes():
+    """Every phase's peak is affine in the number of layers as long as the same moment is
+    the peak at every count. The optimizer phase's peak is the larger of two moments: its
+    start, when the checkpointed first layer's input (a leaf that requires grad, PEFT's
+    enable_input_require_grads) and its .grad are still held, and the gradient-norm
+    computation, 512 B per trained tensor. At 64 tokens per row the two cross between 2
+    and 3 layers (a 16 KiB input against 14 norms a layer), so the rows here are 256
+    tokens, where the first moment leads at every count traced here (1, 2 and 6 layers),
+    as the layer inputs do at a real model's size."""
     config = tiny("llama", layers=6)
-    cfg = run_cfg(method="lora", grad_ckpt=True)
+    cfg = RunConfig(model="tiny", seq_len=256, micro_batch_size=2, method="lora", grad_ckpt=True)
     small = [trace_once(config, cfg, None, n, AllocatorConfig())
              for n in plan_layers(config).linear_counts()]
     full = trace_once(config, cfg, None, 6, AllocatorConfig())
