@@ -138,7 +138,8 @@ def trace_training(cfg: RunConfig, cluster: Cluster | None = None, *, resolved: 
         runs = [trace_once(resolved.hf_config, cfg, cluster, LayerPlan(n), alloc_config,
                            timeline_points, seq_len=seq, spec=spec) for n in plan.linear_counts()]
         runs[-1].notes.append(f"layer expansion not possible ({err}): allocated bytes "
-                              "extrapolated linearly (exact), reserved bytes approximately")
+                              "extrapolated linearly (exact while each phase peaks at the "
+                              "same moment at every layer count), reserved bytes approximately")
     return _estimate(spec, cfg, cluster, runs, plan, time.perf_counter() - started)
 
 
