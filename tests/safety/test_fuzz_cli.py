@@ -238,6 +238,7 @@ NUMBER_TEXT = st.one_of(HOSTILE_NUMBERS.map(str), st.sampled_from(
     ["", "x", "0x10", "1_000", "inf", "-inf", "nan", "1e999", ",,,", "--"]))
 
 
+@pytest.mark.slow  # 30 CLI runs, about 8 s: with the longer checks (make test-slow)
 @FUZZ
 @given(command=st.sampled_from(sorted(NUMERIC_FLAGS)), data=st.data())
 def test_numeric_flags(box, capsys, command, data):

@@ -31,8 +31,10 @@ except ImportError:
 if (CHROMIUM is None or CHROMEDRIVER is None or selenium is None) and os.environ.get("CI"):
     raise RuntimeError("CI must have chromium, chromedriver (.ci/run installs them) and "
                        "selenium (the dev extra) for the ui browser test")
-pytestmark = pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None or selenium is None,
-                                reason="chromium, chromedriver or selenium is not installed")
+# a headless Chromium per test (about 15 s together): with the longer checks (make test-slow)
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None or selenium is None,
+                                 reason="chromium, chromedriver or selenium is not installed")]
 
 WIDTH, HEIGHT = 1400, 1000
 
