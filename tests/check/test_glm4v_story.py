@@ -30,29 +30,33 @@ Modelled through named mechanisms only:
   logits, the shifted copy and log_softmax's output (LossPath recast_after_loss); the
   shifted logits of one sequence are a contiguous prefix, copied only from batch 2 on.
 
+With a vision tower the YAML runs finetune_vision.py (4daff94), which cuts samples at
+max_input_length + max_output_length = 1,024 tokens (finetune.py keeps one more) and
+whose training_step calls torch.cuda.empty_cache() after every backward
+(oomless.check.readers_glm): each step starts with only the live tensors' segments.
+
 What stays unexplained (the strict xfail below): a trace of the stand-in with all these
-mechanisms at full size (63 tower layers of 6,401 patches, 40 language layers of 2,627
-positions; tests/runtime/glm4v_shell.py) allocates 54.7 GiB at batch 1, as the estimate
-does (54.6 GiB), and its caching-allocator replay over two steps reserves 60.0 GiB (the
-eager attention's score blocks stay cached when the loss asks for larger ones). The same
-stand-in run on a GPU (NVIDIA H200, 2026-11-26; benchmarks/results/gpu_runs.md) allocated
-54.70 GiB and reserved 60.26 GiB: the trace and the allocator model are right about the
-stand-in, so what separates it from the README's 75 GB (about 61 GiB on the card, 65.5 GB,
-13% under) is in GLM-4V's own code, which is not at hand. The analytic estimate's
-allocator reserve (its coarse synthesized stream, oomless.allocator.synthetic, with
-CoreAttention's working set: its replay reserves 58.06 GiB after one step and 58.08 after
-two, where the trace's replay reserves 58.55 and 60.02) is smaller than the trace's:
-58.7 GiB on the card (63.0 GB), 16% under. At batch 2 the stand-in allocated 84.68 GiB
-and reserved
-92.93 GiB on the GPU (the replay: 92.88), above the 79.25 GiB an A100-80GB leaves PyTorch;
-the estimate says 90.9 GiB and even the band's lower bound (84.0 GiB) is above the card:
-OUT OF MEMORY, as the run was. Checked and excluded: evaluation and generation
-(eval batch 4: prefill of 4 × ~2,100 positions with eager attention, about 34 GiB; the
+mechanisms at full size (63 tower layers of 6,401 patches, 40 language layers of about
+2,600 positions; tests/runtime/glm4v_shell.py) allocates 54.7 GiB at batch 1, as the estimate
+does. The same stand-in run on a GPU (NVIDIA H200, 2026-11-26;
+benchmarks/results/gpu_runs.md) allocated 54.70 GiB and reserved 58.74 GiB in its first
+step (60.26 in a second step that the script's emptying of the cache would not let
+grow): about 59.4 GiB on the card, 63.7 GB, 15% under the README's 75 GB. The analytic
+estimate (its synthesized stream, oomless.allocator.synthetic, reserves 58.07 GiB) gives
+58.7 GiB on the card (63.0 GB), 16% under. The README's row was added with the first
+finetune_vision.py (THUDM/GLM-4 b9d6d38, 2024-07-01) "with the configs folder's
+settings" on A100-SXM4-80GB; what else that run held is in GLM-4V's own code or in how
+the figure was taken, neither at hand. At batch 2 the stand-in allocated 84.68 GiB
+and reserved 92.86 GiB in its first step on the GPU, above the 79.25 GiB an
+A100-80GB leaves PyTorch; the estimate says 90.9 GiB and even the band's lower bound
+(84.0 GiB) is above the card: OUT OF MEMORY, as the run was.
+
+Checked and excluded: evaluation and generation (eval batch 4: prefill of 4 × ~2,100 positions with eager attention, about 34 GiB; the
 Seq2SeqTrainer empties the cache after every step and prediction), the attention mask
 (a bool (b, 1, s, s) per layer, or get_masks' fp32 (b, s, s) only with padding), the
 tower's attention (SDPA: visual.py attention_fn_default, torch ≥ 2), dropout p 0 in the
-tower and the language attention (no copy), the allocator across steps (the first step
-reserves the same 58.5 GiB). Seen but not verified: a derivative copy of GLM-4V's
+tower and the language attention (no copy), the allocator across steps (the script
+empties the cache after every backward). Seen but not verified: a derivative copy of GLM-4V's
 ChatGLMModel.forward re-embeds input_ids in training when the batch has padding
 (THUDM/GLM-4#264), which would drop the image features from the language model from
 batch 2 on; the genuine file of mid-2024 was not found, so it is not modelled.
@@ -138,9 +142,9 @@ def test_no_bf16_flag_runs_the_bf16_model_without_autocast(tmp_path):
 
 
 @pytest.mark.xfail(strict=True, reason="documented miss: batch 1 is predicted at 58.7 GiB "
-                   "(63.0 GB), 16% under the README's 75 GB (the stand-in on a GPU: 60.26 GiB "
-                   "reserved, about 13% under on the card); what else the real run held is "
-                   "not identified (see the module docstring)")
+                   "(63.0 GB), 16% under the README's 75 GB (the stand-in's first step on a "
+                   "GPU: 58.74 GiB reserved, about 15% under on the card); what else the real "
+                   "run held is not identified (see the module docstring)")
 def test_batch_1_is_within_15_percent_of_the_readme():
     r = check(CheckOptions(files=(str(YAML),), gpu="a100-80gb", model="glm-4v-9b"))
     train_peak = max(r.phase_device_bytes[p] for p in ("forward", "backward"))

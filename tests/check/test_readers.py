@@ -109,6 +109,23 @@ def test_glm4_evaluation_generates_from_the_prompt_alone():
     assert run["seq_len"] == 1025 and run["grad_ckpt"] is True  # finetune_demo always on
 
 
+def test_glm4v_runs_finetune_vision_with_its_own_cut(tmp_path):
+    # finetune_vision.py (4daff94): max_length = max_input_length + max_output_length, the
+    # eval prompt input_segment[:max_input_length]; finetune.py keeps one token more
+    run = run_of("glm-4/finetune_demo_lora.yaml", model="glm-4v-9b")
+    assert run["seq_len"] == 1024
+    assert run["data"] == {"max_input_length": 512, "max_output_length": 512}
+    # a local GLM-4V config.json (its vision_config) is read the same way
+    config = tmp_path / "glm-4v" / "config.json"
+    config.parent.mkdir()
+    config.write_text('{"model_type": "chatglm", "vision_config": {"image_size": 1120}}')
+    reading = read_files(CheckOptions(files=(str(CORPUS / "glm-4/finetune_demo_lora.yaml"),),
+                                      model=str(config.parent)))
+    assert reading.run["seq_len"] == 1024
+    assert any("finetune_vision.py" in n and "empties the CUDA cache" in n
+               for n in reading.notes)
+
+
 def test_glm4_0414_checkpointing_follows_the_yaml(tmp_path):
     assert run_of("glm-4/finetune_lora.yaml", model="glm-4-9b-chat")["grad_ckpt"] is False
     result = check(CheckOptions(files=(str(CORPUS / "glm-4/finetune_sft.yaml"),),

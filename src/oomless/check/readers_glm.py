@@ -4,7 +4,15 @@ What finetune.py does with it (THUDM/GLM-4): the model is loaded in bf16;
 training samples are cut at max_input_length + max_output_length + 1 tokens
 and padded to the longest in the batch; evaluation with predict_with_generate
 feeds only the prompt (at most max_input_length + 1 tokens; the answer is not
-in the batch) and generates generation_config.max_new_tokens. The 2024
+in the batch) and generates generation_config.max_new_tokens. A model with a
+vision tower (GLM-4V) runs finetune_vision.py instead, which cuts samples at
+max_input_length + max_output_length and prompts at max_input_length
+(finetune_demo/finetune_vision.py process_batch ``max_length``, process_batch_eval
+``input_segment[:max_input_length]``, commit 4daff94; the same in finetune/ of the
+0414 release). The 2024 scripts' Seq2SeqTrainer overrides training_step to call
+``torch.cuda.empty_cache()`` after every backward (the 0414 ones do not): the step's
+peak is reached before the call, and no step inherits the previous one's cached
+blocks. The 2024
 finetune_demo/finetune.py always enables gradient checkpointing; the 0414
 finetune/finetune.py (configs with ``freezeV``) only when resuming, so there
 the YAML's training_args.gradient_checkpointing decides. ``freezeV`` freezes
@@ -81,7 +89,7 @@ def _autocast(ta: dict[str, Any], run: dict[str, Any], r: Reading) -> None:
                    "input")
 
 
-def _glm_eval(ta: dict[str, Any], in_len: int, run: dict[str, Any], r: Reading) -> None:
+def _glm_eval(ta: dict[str, Any], prompt_len: int, run: dict[str, Any], r: Reading) -> None:
     """The evaluation finetune.py runs on the YAML's val_file."""
     run["eval"] = {"batch_size": ta.get("per_device_eval_batch_size") or run["micro_batch_size"]}
     new_tokens = (ta.get("generation_config") or {}).get("max_new_tokens")
@@ -91,8 +99,27 @@ def _glm_eval(ta: dict[str, Any], in_len: int, run: dict[str, Any], r: Reading) 
         run["eval"].update({"predict_with_generate": True, "max_new_tokens": new_tokens,
                             "loss": False})
         r.notes.append(f"evaluation generates up to {new_tokens} tokens from prompts of at "
-                       f"most {in_len + 1} tokens and computes no loss (finetune.py feeds "
+                       f"most {prompt_len} tokens and computes no loss (the script feeds "
                        "no labels to it)")
+
+
+def _vision_script(model: str) -> bool:
+    """Whether ``model`` has a vision tower, so that GLM-4's finetune_vision.py trains it:
+    a catalog entry's spec, or a local config.json with a ``vision_config``."""
+    import json
+    from pathlib import Path
+
+    from ..models.catalog import find_entry
+
+    entry = find_entry(model)
+    if entry is not None:
+        return entry.spec.vision is not None
+    path = Path(model).expanduser()
+    config = path / "config.json" if path.is_dir() else path
+    try:
+        return "vision_config" in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # resolve() reports a model it cannot read
 
 
 def read_glm4(src: Source, model: str | None) -> Reading:
@@ -107,6 +134,9 @@ def read_glm4(src: Source, model: str | None) -> Reading:
                           "on the command line): pass --model, e.g. --model glm-4-9b-chat")
     layout_0414 = "freezeV" in d
     in_len, out_len = d["max_input_length"], d["max_output_length"]
+    vision = _vision_script(model)
+    # finetune.py keeps one token more than the two lengths (its EOS), finetune_vision.py none
+    extra = 0 if vision else 1
     ckpt_key = grad_ckpt_key(ta)
     grad_ckpt = bool(ta.get(ckpt_key, not layout_0414))
     run: dict[str, Any] = {
@@ -116,10 +146,10 @@ def read_glm4(src: Source, model: str | None) -> Reading:
                                src.where("training_args.optim"), r),
         "micro_batch_size": ta.get("per_device_train_batch_size", 8),
         "grad_accum": ta.get("gradient_accumulation_steps", 1),
-        "seq_len": in_len + out_len + 1, "grad_ckpt": grad_ckpt, "attn": "sdpa",
+        "seq_len": in_len + out_len + extra, "grad_ckpt": grad_ckpt, "attn": "sdpa",
         "zero": 0, "offload": "none", "eval": {},
         "vision": {"freeze_tower": bool(d.get("freezeV", False))},
-        "data": {"max_input_length": in_len + 1, "max_output_length": out_len},
+        "data": {"max_input_length": in_len + extra, "max_output_length": out_len},
     }
     if peft:
         _peft(src, peft, run, r)
@@ -128,12 +158,16 @@ def read_glm4(src: Source, model: str | None) -> Reading:
         _s, (run["zero"], run["offload"]) = deepspeed_source(str(ta["deepspeed"]), src.path,
                                                              GLM_DEEPSPEED, r)
     if eval_on(ta) and (d.get("data_config") or {}).get("val_file"):
-        _glm_eval(ta, in_len, run, r)
+        _glm_eval(ta, in_len + extra, run, r)
+    script = "finetune_vision.py" if vision else "finetune.py"
     how = "the YAML's training_args" if ckpt_key in ta else (
-        "finetune/finetune.py (0414) enables it only when resuming" if layout_0414 else
-        "finetune_demo/finetune.py always enables it")
-    r.notes.append(f"finetune.py loads the weights in bf16; gradient checkpointing "
-                   f"{'on' if grad_ckpt else 'off'} ({how})")
+        f"finetune/{script} (0414) enables it only when resuming" if layout_0414 else
+        f"finetune_demo/{script} always enables it")
+    r.notes.append(f"{script} loads the weights in bf16; gradient checkpointing "
+                   f"{'on' if grad_ckpt else 'off'} ({how}); samples are cut at "
+                   f"{in_len + out_len + extra} tokens"
+                   + ("" if layout_0414 else "; its training_step empties the CUDA cache "
+                      "after every backward"))
     r.run = run
     r.fixed = knob_set(*KNOBS_GLM, *(("grad_ckpt",) if layout_0414 else ())) | r.fixed
     r.facts["ckpt_key"] = ckpt_key
