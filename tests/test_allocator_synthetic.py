@@ -48,3 +48,20 @@ def test_gradient_accumulation_makes_each_grad_once_per_step():
     grads = [s for kind, _, s in events if kind == ALLOC and s == 100 * MiB]
     # 2 weights + 2 grads (once, not per micro batch) + 4 states
     assert len(grads) == 2 + 2 + 4
+
+
+def test_the_heads_saved_copy_goes_between_its_16_bit_and_fp32_gradients():
+    # lm_head's MmBackward makes the 16-bit weight gradient (40 MiB) and then releases
+    # what it saved (the 40 MiB autocast weight copy); ToCopyBackward then makes the
+    # fp32 .grad (80 MiB) and drops the 16-bit one.
+    blocks = _run(grads=(100 * MiB, 100 * MiB, 80 * MiB), grad_casts=(0, 0, 40 * MiB),
+                  head_grads=(2, 3), embed_grads=(3, 3), head_saved=(40 * MiB,),
+                  states=(100 * MiB, 100 * MiB, 80 * MiB))
+    events = training_events(blocks, steps=1)
+    copy_key = next(k for kind, k, s in events if kind == ALLOC and s == 40 * MiB)
+    cast_at = next(i for i, (kind, k, s) in enumerate(events)
+                   if kind == ALLOC and s == 40 * MiB and k != copy_key)
+    freed_at = events.index((FREE, copy_key, 0))
+    grad_at = next(i for i, (kind, _, s) in enumerate(events) if kind == ALLOC and s == 80 * MiB)
+    assert cast_at < freed_at < grad_at
+    assert freed_at == cast_at + 1  # released as soon as the 16-bit gradient exists

@@ -18,7 +18,9 @@ order the libraries request them, for ``steps`` optimizer steps:
   autocast caches for leaves that require grad (``at::autocast::cached_cast``),
   which stay until the outermost autocast exits (``torch.autocast.__exit__``
   clears the cache) after the loss; then the loss region's ops;
-- the backward: the loss region's backward ops with the head's gradients, then
+- the backward: the loss region's backward ops with the head's gradients, after which
+  the head's backward has dropped what it saved (its input and the 16-bit weight copy
+  autocast made for it, which outlives autocast's cache through that reference), then
   the layers in reverse, each with its recomputed tensors (checkpointing), its
   gradient working set and its parameters' ``.grad`` (created by
   ``AccumulateGrad`` the first time a parameter gets one after ``zero_grad``;
@@ -64,6 +66,9 @@ class TrainingBlocks:
     backward_work: tuple[int, ...]  # a layer's backward temporaries
     before_layers: Ops = ()  # ops before the first layer (inputs, vision tower)
     shared: tuple[int, ...] = ()  # kept from the last layer's forward to the backward's end
+    # made after ``shared``, released once the head's gradients exist (the head's saved
+    # input and autocast weight copy, which its backward drops)
+    head_saved: tuple[int, ...] = ()
     loss_forward: Ops = ()  # the loss region's forward ops
     loss_backward: Ops = ()  # its backward ops up to the head's gradients; keys continue
     loss_release: Ops = ()  # its ops after the head's gradients
@@ -128,12 +133,19 @@ def _chain(s: _Stream, sizes: tuple[int, ...]) -> int:
     return last
 
 
-def _grads(s: _Stream, b: TrainingBlocks, span: tuple[int, int], live: dict[int, int]) -> None:
+def _grads(s: _Stream, b: TrainingBlocks, span: tuple[int, int], live: dict[int, int],
+           released: tuple[int, ...] = ()) -> None:
+    """The span's .grad blocks; ``released`` (what the node that made the first gradient
+    saved) is freed once that node has run: after its 16-bit gradient, before
+    ``ToCopyBackward`` makes the fp32 one."""
     for i in reversed(range(*span)):
         cast = s.alloc(b.grad_casts[i]) if b.grad_casts[i] else 0
+        s.free(*released)
+        released = ()
         if i not in live:
             live[i] = s.alloc(b.grads[i])
         s.free(cast)
+    s.free(*released)
 
 
 def _micro_batch(s: _Stream, b: TrainingBlocks, live_grads: dict[int, int]) -> None:
@@ -142,11 +154,12 @@ def _micro_batch(s: _Stream, b: TrainingBlocks, live_grads: dict[int, int]) -> N
     cached: list[int] = []
     kept = _layers_forward(s, b, cached)
     shared = [s.alloc(n) for n in b.shared]
+    head = [s.alloc(n) for n in b.head_saved]
     loss: list[int] = []
     s.region(b.loss_forward, loss)
     s.free(*cached)
     s.region(b.loss_backward, loss)
-    _grads(s, b, b.head_grads, live_grads)
+    _grads(s, b, b.head_grads, live_grads, tuple(head))
     s.region(b.loss_release, loss)
     for layer in reversed(range(b.layers)):
         recomputed = [s.alloc(n) for n in b.layer_saved] if b.layer_input else []

@@ -215,3 +215,21 @@ def largest_logits_block_bytes(spec: ModelSpec, cfg: RunConfig, t: int) -> float
                                              and t <= UNSLOTH_CCE_MIN_TOKENS):
         return 2 * t * spec.vocab_size  # the model's bf16 logits
     return 4 * t * spec.hidden_size
+
+
+def head_saved_blocks(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int) -> tuple[int, ...]:
+    """What a trained lm_head's matmul saves for its backward, in the order it is made:
+    its input (the final norm's output) and, under autocast with fp32 master weights, the
+    16-bit copy of its weight that ``at::autocast::cached_cast`` makes. Autocast's cache
+    is cleared when the forward's autocast exits, but the saved reference keeps the copy
+    until the head's backward has run, which releases both. () when lm_head is frozen,
+    or a reward model's score head or TRL's tiled projection replaces it."""
+    from .stages import stage_plan
+
+    lm_head = stage_plan(cfg).head in ("lm_loss", "full_logprobs", "kernel_logprobs")
+    if cfg.method != "full" or not lm_head:
+        return ()
+    blocks = [dt.act_bytes * t * spec.hidden_size]
+    if dt.autocast and dt.trainable_bytes != dt.act_bytes:
+        blocks.append(dt.act_bytes * spec.vocab_size * spec.hidden_size)
+    return tuple(blocks)

@@ -162,6 +162,7 @@ class StepKit(NamedTuple):
     forward_work_bytes: int  # a layer's forward temporaries
     before_layers_bytes: int  # merged image embeddings kept through the step
     tower_forward_bytes: int  # a frozen vision tower's forward, before the language model's
+    head_saved: tuple[int, ...] = ()  # a trained lm_head's saved tensors (in shared_bytes)
 
 
 def stream_fallback(spec: ModelSpec, cfg: RunConfig, expandable: bool,
@@ -219,6 +220,9 @@ def _param_blocks(spec: ModelSpec, cfg: RunConfig, dt) -> dict:
     head = [n for name, n in rest if "embed_tokens" not in name] if full else []
     if full and spec.tie_embeddings:  # lm_head's backward makes the tied weight's .grad
         head, embed = head + embed, []
+    # the backward reaches lm_head's matmul before the final norm: the span is walked in
+    # reverse, so the head's matrix goes last
+    head.sort(key=lambda n: n > spec.hidden_size)
     gb = dt.grad_bytes if full else dt.trainable_bytes
     elems = [n for layer in per_layer for n in layer]
     spans, first = [], 0
@@ -324,7 +328,8 @@ def training_blocks(spec: ModelSpec, cfg: RunConfig, persistent: dict[str, int],
             kit.forward_work_bytes, dt.resid_bytes * t * h, dt.act_bytes * t * width),
         backward_work=tuple(mlp_grads) + attn.backward_work, grad_casts=tuple(p["grad_casts"]),
         attention_forward=attn.forward_ops, attention_backward=attn.backward_ops,
-        before_layers=before, shared=(max(0, kit.shared_bytes - mask),),
+        before_layers=before, shared=(max(0, kit.shared_bytes - mask - sum(kit.head_saved)),),
+        head_saved=kit.head_saved,
         loss_forward=loss_fwd, loss_backward=loss_bwd, loss_release=loss_after,
         forward_cached=layer_cast_blocks(spec, dt, kit.plan) if cfg.grad_ckpt else (),
         late_work=(late_dense_block_bytes(spec, cfg),) if spec.tie_embeddings else (),

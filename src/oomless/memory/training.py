@@ -32,7 +32,7 @@ from .after_load import (
     unsloth_rope_table_bytes,
 )
 from .gemma import effective_attn, gemma_assumptions, is_sliding_layer, sliding_mask_bytes
-from .loss_paths import largest_logits_block_bytes
+from .loss_paths import head_saved_blocks, largest_logits_block_bytes
 from .loss_paths import logits_bytes as stack_logits_bytes
 from .moe_lora import merged_expert_saved_bytes, moe_lora_assumptions
 from .overheads import StepKit, finish_estimate, late_dense_block_bytes, streamed_reserve_bytes
@@ -106,14 +106,9 @@ def saved_activation_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, b: int, 
     # lm_head is trained; what modules_to_save copies keep (vision.copies_saved_bytes).
     shared = (2 * dt.resid_bytes * t * spec.head_dim + 4 * t * spec.hidden_size
               + copies_saved_bytes(spec, cfg, dt, t))
-    # lm_head runs as a module (its input and autocast weight copy kept) unless a reward
-    # model's score head replaces it or TRL's fused head projects through its weight in tiles
-    lm_head = stage_plan(cfg).head in ("lm_loss", "full_logprobs", "kernel_logprobs")
-    if cfg.method == "full" and lm_head:
-        shared += dt.act_bytes * t * spec.hidden_size
-        if dt.autocast and dt.trainable_bytes != dt.act_bytes:
-            shared += dt.act_bytes * spec.vocab_size * spec.hidden_size
-    elif not cfg.grad_ckpt and tower_plan(spec, cfg) is None:
+    head = head_saved_blocks(spec, cfg, dt, t)  # a trained lm_head's input and weight copy
+    shared += sum(head)
+    if not head and not cfg.grad_ckpt and tower_plan(spec, cfg) is None:
         # Frozen embeddings: nothing before the first adapter needs a gradient,
         # so the first layer's input norm keeps nothing (with checkpointing HF
         # makes the embedding output require grad, enable_input_require_grads).
@@ -352,7 +347,8 @@ def step_kit(spec: ModelSpec, cfg: RunConfig) -> StepKit:
                    round(acts["layers"] - spec.num_layers * per_layer - tower),
                    round(forward_transient_bytes(spec, cfg, dt, b * s)),
                    round(merged_input_bytes(spec, cfg, dt, b * s)),
-                   round(tower_forward_bytes(spec, cfg, dt)))
+                   round(tower_forward_bytes(spec, cfg, dt)),
+                   head_saved_blocks(spec, cfg, dt, b * s))
 
 
 def training_phases(spec: ModelSpec, cfg: RunConfig, cluster: Cluster | None = None,
