@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from oomless.allocator.replay import ALLOC, FREE
 from oomless.allocator.synthetic import TrainingBlocks, replayed_peaks, training_events
 
@@ -32,7 +34,8 @@ def test_the_second_steps_loss_takes_a_fresh_segment_by_hand():
 def test_every_block_is_freed_but_the_persistent_ones():
     events = training_events(_run(layer_input=10 * MiB, forward_work=(20 * MiB,),
                                   backward_work=(30 * MiB,), grad_casts=(50 * MiB, 0),
-                                  forward_cached=(5 * MiB,), late_work=(7 * MiB,)))
+                                  layer_saved=(5 * MiB, 50 * MiB), forward_cached=(5 * MiB,),
+                                  late_work=(7 * MiB,)))
     live = set()
     for kind, key, _ in events:
         if kind == ALLOC:
@@ -65,3 +68,18 @@ def test_the_heads_saved_copy_goes_between_its_16_bit_and_fp32_gradients():
     grad_at = next(i for i, (kind, _, s) in enumerate(events) if kind == ALLOC and s == 80 * MiB)
     assert cast_at < freed_at < grad_at
     assert freed_at == cast_at + 1  # released as soon as the 16-bit gradient exists
+
+
+def test_a_checkpointed_forward_makes_autocasts_weight_copies_once():
+    # the copies go into autocast's cache; the chain of temporaries does not make them again
+    copy, act = 30 * MiB, 12 * MiB
+    blocks = _run(layer_saved=(copy, act), forward_cached=(copy,), layer_input=4 * MiB)
+    loss_at = next(i for i, (kind, _, s) in enumerate(training_events(blocks, 1))
+                          if kind == ALLOC and s == 300 * MiB)
+    made = [s for kind, _, s in training_events(blocks, 1)[:loss_at] if kind == ALLOC]
+    assert made.count(copy) == 1 and made.count(act) == 1
+
+
+def test_forward_cached_must_lead_layer_saved():
+    with pytest.raises(ValueError, match="first blocks of layer_saved"):
+        _run(layer_saved=(1 * MiB, 2 * MiB), forward_cached=(2 * MiB,))

@@ -72,7 +72,9 @@ class TrainingBlocks:
     loss_forward: Ops = ()  # the loss region's forward ops
     loss_backward: Ops = ()  # its backward ops up to the head's gradients; keys continue
     loss_release: Ops = ()  # its ops after the head's gradients
-    # blocks a checkpointed layer's forward leaves in a cache until the forward returns
+    # blocks a checkpointed layer's forward leaves in a cache until the forward returns:
+    # the first blocks of layer_saved (autocast's weight copies), which the checkpointed
+    # forward makes once, into the cache, and not again as temporaries
     forward_cached: tuple[int, ...] = ()
     late_work: tuple[int, ...] = ()  # temporaries at the backward's very end
     # a layer's attention ops before its chained forward work (also in a checkpointed
@@ -81,6 +83,10 @@ class TrainingBlocks:
     attention_forward: Ops = ()
     attention_backward: Ops = ()
     micro_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.layer_saved[:len(self.forward_cached)] != self.forward_cached:
+            raise ValueError("forward_cached must be the first blocks of layer_saved")
 
 
 class _Stream:
@@ -111,7 +117,7 @@ def _layers_forward(s: _Stream, b: TrainingBlocks, cached: list[int]) -> list[li
         if b.layer_input:  # nothing is saved: each tensor goes once the next is made
             cached += [s.alloc(n) for n in b.forward_cached]
             s.region(b.attention_forward, [])
-            last = _chain(s, b.layer_saved + b.forward_work)
+            last = _chain(s, b.layer_saved[len(b.forward_cached):] + b.forward_work)
             if layer + 1 < b.layers:  # the layer's output, the next one's input
                 kept.append([s.alloc(b.layer_input)])
             s.free(last)
