@@ -98,3 +98,18 @@ def test_full_zero3_8gpu_qwen7b_by_hand():
     states = sum(parts[k] for k in ("weights", "master_weights", "optimizer",
                                     "grad_partition_fp32", "gradients"))
     assert states == pytest.approx(20 * P / 8 + 3584**2 * 2, abs=4)
+
+
+def test_only_a_casting_lora_layer_copies_the_down_proj_input_to_fp32():
+    # Under autocast PEFT's fp32 down_proj adapter gets an fp32 copy of its (t × I) input
+    # from lora.Linear (_cast_input_dtype); bitsandbytes' Linear4bit passes it uncast
+    # (requires_conversion = not torch.is_autocast_enabled()). t = 2 × 32, I = 128.
+    from oomless.memory.precision import dtypes_for
+    from oomless.memory.training import forward_transient_bytes
+
+    def transient(method: str) -> float:
+        cfg = RunConfig(model="tiny", method=method, micro_batch_size=2, seq_len=32,
+                        lora={"r": 8, "targets": ["down_proj"], "dropout": 0.0})
+        return forward_transient_bytes(TINY, cfg, dtypes_for(cfg), 64)
+
+    assert transient("lora") - transient("qlora") == 4 * 64 * 128

@@ -147,7 +147,10 @@ def forward_transient_bytes(spec: ModelSpec, cfg: RunConfig, dt: Dtypes, t: int)
     ``_cast_input_dtype``). It is the forward's peak when no logits follow (reward model)."""
     width = max(spec.intermediate_size, spec.moe_intermediate_size * spec.experts_per_token)
     lora_down = "down_proj" in layer_plan(spec, cfg).lora
-    fp32_copy = 4 if (lora_down and dt.autocast and dt.trainable_bytes == 4) else 0
+    # PEFT's fp32 down_proj adapter takes an fp32 copy of its input under autocast, unless
+    # its layer passes the input uncast (bitsandbytes' Linear4bit, quantized.KERNELS)
+    fp32_copy = 4 if (lora_down and dt.autocast and dt.trainable_bytes == 4
+                      and not _kept_uncast(spec, cfg, "down_proj")) else 0
     product = dt.act_bytes if lora_down else 0  # otherwise down_proj keeps it (saved)
     return (fp32_copy + product) * t * width + 2 * dt.resid_bytes * t * spec.hidden_size
 
