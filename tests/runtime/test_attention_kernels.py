@@ -1,9 +1,11 @@
 """allocator/attention_blocks.py's ``chatglm_core`` working set is what ChatGLM's
 CoreAttention allocates: the stand-in's op-by-op copy of modeling_chatglm.py
 ``CoreAttention.forward`` (tests/runtime/glm4v_shell.py), run forward and backward on
-small real CPU tensors under the storage tracker, allocates and frees its
-(heads × s × s) tensors in the order the synthesized stream's ops say, apart from the
-two autograd saves for the backward (the layer's saved tensors hold those)."""
+small real CPU tensors under the storage tracker (with the buffers CUDA kernels add,
+runtime/trace/cuda_emulation.py), allocates and frees its (heads × s × s) tensors in the
+order the synthesized stream's ops say, apart from the two autograd saves for the
+backward (the layer's saved tensors hold those); transformers' eager attention does the
+same in its backward."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from glm4v_shell import chatglm_core_attention
 from oomless.allocator import ALLOC
 from oomless.allocator.attention_blocks import attention_work, eager_kernel
 from oomless.models.catalog import resolve_model
+from oomless.runtime.trace.cuda_emulation import CudaEmulation
 from oomless.runtime.trace.storage_tracker import StorageTracker
 
 HEADS, SEQ, HEAD_DIM = 3, 8, 5  # q/k/v/context (120 elements) differ from scores (192)
@@ -44,7 +47,7 @@ def test_chatglm_core_blocks_are_what_core_attention_allocates():
     work = attention_work(replace(spec, num_heads=HEADS), 2, 1, SEQ, "eager")
     q, k, v = (torch.randn(1, HEADS if i == 0 else 1, SEQ, HEAD_DIM, dtype=torch.bfloat16,
                            requires_grad=True) for i in range(3))
-    tr = StorageTracker()
+    tr = StorageTracker(emulation=CudaEmulation())
     with tr:
         out, _ = chatglm_core_attention(SimpleNamespace(layer_idx=1), q, k, v, None)
         forward_end = len(tr.events)
@@ -62,10 +65,26 @@ def test_chatglm_core_blocks_are_what_core_attention_allocates():
 
 
 def test_other_families_keep_transformers_eager_chain():
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
     spec = resolve_model("meta-llama/Llama-3.2-1B").spec
     assert eager_kernel(spec) == "hf_eager"
     n = spec.num_heads * 4 * 4
     work = attention_work(spec, 2, 1, 4, "eager")
     assert work.forward_chain == (2 * n, 2 * n, 4 * n) and work.forward_ops == ()
-    assert work.backward_work == (2 * n, 4 * n, 4 * n, 2 * n) and work.backward_ops == ()
+    assert work.backward_work == ()
     assert attention_work(spec, 2, 1, 4, "sdpa") == attention_work(spec, 2, 1, 4, "flash")
+    # the backward's ops are what eager_attention_forward's backward allocates on CUDA
+    work = attention_work(replace(spec, num_heads=HEADS), 2, 1, SEQ, "eager")
+    q, k, v = (torch.randn(1, HEADS, SEQ, HEAD_DIM, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    mask = torch.zeros(1, 1, SEQ, SEQ, dtype=torch.bfloat16)
+    module = SimpleNamespace(num_key_value_groups=1, training=True)
+    tr = StorageTracker(emulation=CudaEmulation())
+    with tr:
+        out, _ = eager_attention_forward(module, q, k, v, mask, scaling=HEAD_DIM ** -0.5)
+        forward_end = len(tr.events)
+        out.sum().backward()
+    freed = {key for kind, key, _ in tr.events[:forward_end] if kind != ALLOC}
+    saved = {key for kind, key, _ in tr.events[:forward_end] if kind == ALLOC and key not in freed}
+    assert tuple(_score_events(tr, forward_end, len(tr.events), saved)) == work.backward_ops

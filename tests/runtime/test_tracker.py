@@ -130,3 +130,21 @@ def test_flash_attention_backward_buffers_gqa():
     }
     keys = {k for k, r in tr.records.items() if r.op.startswith("flash_bwd")}
     assert all(any(kind == FREE and key == k for kind, key, _ in tr.events) for k in keys)
+
+
+def test_softmax_backward_makes_grad_times_output_after_its_output():
+    # SoftMax.cu softmax_backward_cuda_out: tmp = grad * output once grad_input exists;
+    # log_softmax's backward has no such temporary
+    x = torch.randn(2, 4, 8, 8, dtype=torch.bfloat16, requires_grad=True)
+    p = torch.softmax(x, -1, dtype=torch.float32)
+    lp = torch.log_softmax(x.float(), -1)
+    tr = StorageTracker(emulation=CudaEmulation())
+    tr.start_phase("backward", 0)
+    with tr:
+        (p.sum() + lp.sum()).backward()
+    ops = [tr.records[k].op for kind, k, _ in tr.events if kind == ALLOC]
+    tmp = ops.index("softmax_bwd.grad_times_output")
+    assert ops[tmp - 1] == "_softmax_backward_data.default"
+    assert tr.records[next(k for k, r in tr.records.items()
+                           if r.op == "softmax_bwd.grad_times_output")].nbytes == 4 * 2 * 4 * 8 * 8
+    assert ops.count("softmax_bwd.grad_times_output") == 1

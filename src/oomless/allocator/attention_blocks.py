@@ -11,7 +11,9 @@ the attention's code, so it is read per kernel:
   ``softmax``: ``input.toType(dtype)``), each consumed by the next; in the backward the
   probabilities' 16-bit gradient (matmul backward), its fp32 copy (``ToCopyBackward`` of
   ``softmax(..., dtype=torch.float32).to(dtype)``), the fp32 gradient of the scores
-  (``_softmax_backward_data``) and its 16-bit cast.
+  (``_softmax_backward_data``) with the ``grad * output`` temporary CUDA's kernel makes
+  next to it (SoftMax.cu ``softmax_backward_cuda_out``), its 16-bit cast and the
+  scaling's gradient, each gradient freed once the next node has made its own.
 - ``chatglm_core``: modeling_chatglm.py ``CoreAttention.forward`` (families.json
   ``own_attention``). The forward fills a new 16-bit tensor from ``baddbmm`` of a
   ``torch.empty`` 16-bit buffer (``beta=0``): both stay referenced by the locals
@@ -28,8 +30,8 @@ the attention's code, so it is read per kernel:
   ``bmm``'s 16-bit gradient of the probabilities, its fp32 copy (``ToCopyBackward``),
   ``_softmax_backward_data``'s fp32 gradient, ``masked_fill``'s, the ``coeff``
   multiply's, and the 16-bit cast (``ToCopyBackward`` of ``.float()``) into
-  ``baddbmm``'s backward. Under gradient checkpointing the recomputation runs the same
-  forward again.
+  ``baddbmm``'s backward (and the softmax backward's ``grad * output`` temporary, as
+  above). Under gradient checkpointing the recomputation runs the same forward again.
 
 SDPA and flash kernels have none of these.
 """
@@ -73,8 +75,11 @@ def attention_work(spec: ModelSpec, act_bytes: int, rows: int, seq_len: int,
         # product); softmax's output and the probabilities are saved; return drops the
         # buffer, the result and masked_fill's output
         fwd = (half, half, full, full, -3, full, -4, -1, -2, -5)
-        # each gradient is freed once the next node has made its own
-        bwd = (half, full, -1, full, -2, full, -3, full, -4, half, -5, -6)
+        # each gradient is freed once the next node has made its own; CUDA's softmax
+        # backward makes grad * output (key 4) after its output and drops it on return
+        bwd = (half, full, -1, full, full, -4, -2, full, -3, full, -5, half, -6, -7)
         return AttentionWork(forward_ops=fwd, backward_ops=bwd)
-    return AttentionWork(forward_chain=(half, half, full),
-                         backward_work=(half, full, full, half))
+    # the probabilities' 16-bit gradient, its fp32 copy, the softmax backward's output and
+    # its grad * output temporary, the cast back to 16 bits, the scaling's gradient
+    bwd = (half, full, -1, full, full, -4, -2, half, -3, half, -5, -6)
+    return AttentionWork(forward_chain=(half, half, full), backward_ops=bwd)

@@ -2,9 +2,10 @@
 
 A trace runs on CPU fake tensors, so it sees the tensors each op *returns*
 but not the buffers a CUDA kernel allocates through the caching allocator for
-itself. ``CudaEmulation.before`` is called by the tracker before each op and
-allocates those buffers as phantom storages (freed right after the op, or
-kept, for workspaces), with the sizes the CUDA code uses:
+itself. ``CudaEmulation.before`` is called by the tracker before each op (and
+``after`` once its outputs exist) and allocates those buffers as phantom storages
+(freed right after the op, or kept, for workspaces), with the sizes the CUDA code
+uses:
 
 - cuBLAS/cuBLASLt workspaces (aten/src/ATen/cuda/CublasHandlePool.cpp):
   one per (handle, stream), allocated by the caching allocator at the first
@@ -24,6 +25,10 @@ kept, for workspaces), with the sizes the CUDA code uses:
   dequantized to a [N, K] 16-bit temporary (the custom kernel's shape
   heuristics vary by GPU; we take the fallback, which needs more), plus fp32
   absmax buffers for double quantization.
+- softmax backward (aten/src/ATen/native/cuda/SoftMax.cu, ``softmax_backward_cuda_out``):
+  ``Tensor tmp = grad * output;`` before the kernel, a gradient-sized temporary made
+  after the op's output (a structured kernel's output is allocated first) and dropped
+  when it returns; ``after`` makes it. The log-softmax backward has none.
 
 ``cuda_autocast_policies`` runs the ops CUDA autocast puts in fp32 (pow, exp, LayerNorm,
 softmax and sum without a dtype, ...) as CUDA does where CPU autocast does not; ``cuda_dropout`` makes training
@@ -82,6 +87,15 @@ class CudaEmulation:
             return self._flash_backward(tracker, args)
         if name == "bitsandbytes::gemm_4bit":
             return self._bnb_gemm_4bit(tracker, args, kwargs)
+        return []
+
+    def after(self, tracker: Any, func: Any, args: tuple) -> list[int]:
+        """Buffers the CUDA op allocates after its outputs; the keys to free after it."""
+        if func.name() == "aten::_softmax_backward_data":
+            grad, output = args[0], args[1]
+            tmp_dtype = torch.result_type(grad, output)
+            size = grad.numel() * torch.empty((), dtype=tmp_dtype).element_size()
+            return [tracker.phantom_alloc(size, "softmax_bwd.grad_times_output")]
         return []
 
     def _workspace(self, tracker: Any) -> None:

@@ -329,6 +329,8 @@ class StorageTracker(TorchDispatchMode):
             [self.track(t, name) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if keys and self.phase == "optimizer":
             self._inherit_owner(args, keys)
+        if self.emulation:
+            temps = [*temps, *self.emulation.after(self, func, args)]
         for key in temps:
             self.phantom_free(key)
         return out
