@@ -148,3 +148,36 @@ def test_softmax_backward_makes_grad_times_output_after_its_output():
     assert tr.records[next(k for k, r in tr.records.items()
                            if r.op == "softmax_bwd.grad_times_output")].nbytes == 4 * 2 * 4 * 8 * 8
     assert ops.count("softmax_bwd.grad_times_output") == 1
+
+
+def test_foreach_norm_takes_its_chunk_buffer_sized_for_every_tensor():
+    # ForeachReduceOp.cu: zeros(ntensors x the most 65,536-element chunks), fp32 opmath;
+    # here 3 tensors, the largest 200,000 elements: 4 chunks
+    from oomless.runtime.trace.cuda_emulation import cuda_foreach
+
+    grads = [torch.ones(200_000), torch.ones(10), torch.ones(70_000)]
+    tr = StorageTracker(emulation=CudaEmulation())
+    with tr:
+        norms = torch._foreach_norm(grads, 2.0)
+    assert len(norms) == 3
+    buf = [r for r in tr.records.values() if r.op == "foreach_norm.output_per_tensor"]
+    assert [r.nbytes for r in buf] == [4 * 3 * 4]
+    assert [n for _, n in buf[0].grows] == [1, 1, 1]  # a deeper model's tensors add slots
+    with cuda_foreach():  # fake tensors take the foreach path, as CUDA tensors do
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils._foreach_utils import _has_foreach_support
+
+        with FakeTensorMode():
+            fake = [torch.ones(4)]
+            assert _has_foreach_support(fake, fake[0].device)
+
+
+def test_the_cublas_workspace_follows_the_first_matmul_s_output():
+    # CublasHandlePool.cpp: the handle (and its workspace) is taken inside the matmul,
+    # after the structured op has allocated its output
+    tr = StorageTracker(emulation=CudaEmulation())
+    a = torch.ones(64, 64)
+    with tr:
+        a @ a
+    ops = [tr.records[k].op for kind, k, _ in tr.events if kind == ALLOC]
+    assert ops[0] == "mm.default" and ops[1].startswith("cublas_workspace")

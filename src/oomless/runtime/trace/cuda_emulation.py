@@ -8,8 +8,8 @@ itself. ``CudaEmulation.before`` is called by the tracker before each op (and
 uses:
 
 - cuBLAS/cuBLASLt workspaces (aten/src/ATen/cuda/CublasHandlePool.cpp):
-  one per (handle, stream), allocated by the caching allocator at the first
-  matmul and kept: ``CUBLAS_WORKSPACE_CONFIG`` default :4096:8 = 32 MiB on
+  one per (handle, stream), allocated by the caching allocator when the first
+  matmul takes its handle (after the op's output exists) and kept: ``CUBLAS_WORKSPACE_CONFIG`` default :4096:8 = 32 MiB on
   sm90, :4096:2:16:8 = 8 MiB + 128 KiB elsewhere; cuBLASLt 1 MiB
   (``CUBLASLT_WORKSPACE_SIZE`` default 1024 KiB). The autograd engine runs
   CUDA backward ops on its own device thread, which reserves its own handle,
@@ -29,6 +29,14 @@ uses:
   ``Tensor tmp = grad * output;`` before the kernel, a gradient-sized temporary made
   after the op's output (a structured kernel's output is allocated first) and dropped
   when it returns; ``after`` makes it. The log-softmax backward has none.
+- ``_foreach_norm`` (aten/src/ATen/native/cuda/ForeachReduceOp.cu,
+  ``foreach_tensor_norm_cuda``): ``output_per_tensor``, an opmath-typed buffer of
+  (tensors × the most 65,536-element chunks of any one tensor) elements made before the
+  per-tensor results and dropped on return; ``cuda_foreach`` lets fake tensors take
+  the foreach path real CUDA tensors take (gradient clipping's norms).
+- reductions (``sum``, ``mean``; aten/src/ATen/native/cuda/Reduce.cuh): the staging
+  buffer and semaphores of a reduction split over several blocks per output, after the
+  output (oomless.runtime.trace.cuda_reduce).
 
 ``cuda_autocast_policies`` runs the ops CUDA autocast puts in fp32 (pow, exp, LayerNorm,
 softmax and sum without a dtype, ...) as CUDA does where CPU autocast does not; ``cuda_dropout`` makes training
@@ -48,11 +56,13 @@ from typing import Any
 import torch
 
 from ...units import MiB
+from .cuda_reduce import reduction_buffers
 
 CUBLAS_WORKSPACE_SM90_BYTES = 4096 * 8 * 1024  # :4096:8 default on Hopper
 CUBLAS_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # :4096:2:16:8 default elsewhere
 CUBLASLT_WORKSPACE_BYTES = 1 * MiB  # CUBLASLT_WORKSPACE_SIZE default 1024 KiB
 BNB_CUSTOM_KERNEL_MAX_ROWS = 4  # _GEMM_4BIT_CUSTOM_FLOOR_M: always the custom kernel
+FOREACH_CHUNK_ELEMENTS = 65536  # MultiTensorApply.cuh kChunkSize
 
 
 def cublas_workspace_bytes(compute_capability: str | None) -> int:
@@ -79,23 +89,36 @@ class CudaEmulation:
 
     def before(self, tracker: Any, func: Any, args: tuple, kwargs: dict) -> list[int]:
         """Allocate the op's CUDA-only buffers; return the keys to free after it."""
-        if func in self._matmuls:
-            self._workspace(tracker)
-            return []
         name = func.name()
         if name == "aten::_scaled_dot_product_flash_attention_for_cpu_backward":
             return self._flash_backward(tracker, args)
         if name == "bitsandbytes::gemm_4bit":
             return self._bnb_gemm_4bit(tracker, args, kwargs)
+        if name.startswith("aten::_foreach_norm") and args[0]:
+            tensors = args[0]
+            chunks = max(-(-t.numel() // FOREACH_CHUNK_ELEMENTS) for t in tensors)
+            opmath = 8 if tensors[0].dtype == torch.float64 else 4
+            key = tracker.phantom_alloc(opmath * len(tensors) * chunks,
+                                        "foreach_norm.output_per_tensor")
+            # a slot per tensor: a deeper model's layers add theirs (trace/expansion.py)
+            tracker.records[key].grows = [(tracker.owner_of(t), 1) for t in tensors]
+            return [key]
         return []
 
-    def after(self, tracker: Any, func: Any, args: tuple) -> list[int]:
+    def after(self, tracker: Any, func: Any, args: tuple, kwargs: dict) -> list[int]:
         """Buffers the CUDA op allocates after its outputs; the keys to free after it."""
+        if func in self._matmuls:  # the handle's workspace, once its output exists
+            self._workspace(tracker)
+            return []
         if func.name() == "aten::_softmax_backward_data":
             grad, output = args[0], args[1]
             tmp_dtype = torch.result_type(grad, output)
             size = grad.numel() * torch.empty((), dtype=tmp_dtype).element_size()
             return [tracker.phantom_alloc(size, "softmax_bwd.grad_times_output")]
+        staging, semaphores = reduction_buffers(func, args, kwargs)
+        if staging:
+            return [tracker.phantom_alloc(staging, "reduce.staging"),
+                    tracker.phantom_alloc(semaphores, "reduce.semaphores")]
         return []
 
     def _workspace(self, tracker: Any) -> None:
@@ -253,6 +276,26 @@ def cuda_autocast_policies() -> Any:
 
 
 _POLICIES_OPEN: list[Any] = []
+
+
+@contextlib.contextmanager
+def cuda_foreach() -> Any:
+    """torch.utils._foreach_utils ``_has_foreach_support`` as for CUDA tensors: fake
+    tensors are not of a type in ``_foreach_supported_types``, so code that picks the
+    foreach path for tensors on CUDA (``clip_grad_norm_``'s ``_foreach_norm`` and
+    ``_foreach_mul_``) would take the per-tensor loop in a trace."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils import _foreach_utils
+
+    types = _foreach_utils._foreach_supported_types
+    added = FakeTensor not in types
+    if added:
+        types.append(FakeTensor)
+    try:
+        yield
+    finally:
+        if added:
+            types.remove(FakeTensor)
 
 
 @contextlib.contextmanager

@@ -15,13 +15,19 @@ every selection keeps every element. ``FullBatchMode`` answers them so:
 
 Fake tensors that carry a constant (small integer tensors made from Python
 numbers, such as an image grid) keep their real value: FakeTensorMode
-answers those itself. Only the trace of training stages and vision inputs
-enables this mode; memory never depends on these values, only control flow
-and metric logging do.
+answers those itself. Memory never depends on these values, only control flow
+and metric logging do, and one such branch decides memory: transformers'
+masking_utils asks ``is_tracing(tensor)`` before it reads a mask, and counts a fake
+tensor as tracing, so a trace would keep the packed-sequence mask
+(``find_packed_sequence_indices``: ``(packed_sequence_mask[:, -1] == 0).all()``) that a
+run on the GPU drops for an unpacked batch, and build (batch, 1, s, s) boolean masks
+where the GPU builds (1, 1, s, s). ``FullBatchMode`` makes masking_utils see the
+trace's tensors as the GPU's (real, readable) and answers the read.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -51,11 +57,14 @@ class FullBatchMode(TorchDispatchMode):
 
     def __enter__(self) -> FullBatchMode:
         _ACTIVE[0] += 1
+        self._masking = _masks_read_as_real()
+        self._masking.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         _ACTIVE[0] -= 1
         super().__exit__(*exc)
+        self._masking.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -74,6 +83,23 @@ class FullBatchMode(TorchDispatchMode):
             shape = torch.broadcast_shapes(first.shape, args[1].shape)
             return torch.empty((int(torch.Size(shape).numel()),), dtype=first.dtype)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _masks_read_as_real() -> Any:
+    """transformers.masking_utils ``is_tracing`` without its fake-tensor test (compile,
+    jit and stream capture still count)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # no transformers: nothing reads masks
+        yield
+        return
+    original = masking_utils.is_tracing
+    masking_utils.is_tracing = lambda tensor=None: original(None)
+    try:
+        yield
+    finally:
+        masking_utils.is_tracing = original
 
 
 def _bool_index(x: Any, indices: list[Any]) -> Any:

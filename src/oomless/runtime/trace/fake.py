@@ -200,7 +200,7 @@ def trace_once(hf_config: dict[str, Any], cfg: RunConfig, cluster: Cluster | Non
                               emulation=CudaEmulation(cublas_bytes=_cublas_bytes(cluster)),
                               loss_fn=stage.loss_fn if stage else None,
                               frozen_models=stage.frozen_models if stage else (),
-                              full_batch_values=stage is not None or images,
+                              full_batch_values=True,
                               step_hooks=stage.step_hooks if stage else (None, None))
     if stage:
         built.notes.extend(stage.notes)

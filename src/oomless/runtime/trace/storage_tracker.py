@@ -330,7 +330,7 @@ class StorageTracker(TorchDispatchMode):
         if keys and self.phase == "optimizer":
             self._inherit_owner(args, keys)
         if self.emulation:
-            temps = [*temps, *self.emulation.after(self, func, args)]
+            temps = [*temps, *self.emulation.after(self, func, args, kwargs)]
         for key in temps:
             self.phantom_free(key)
         return out
@@ -342,7 +342,7 @@ class StorageTracker(TorchDispatchMode):
         inputs = next((a for a in args if isinstance(a, (list, tuple))
                        and len(a) == len(out_keys)), None) if len(out_keys) > 1 else None
         if inputs is None:
-            owners = {self._owner_of(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
+            owners = {self.owner_of(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor)}
             if len(owners) == 1 and -1 not in owners:
                 layer = owners.pop()
                 for key in out_keys:
@@ -352,15 +352,15 @@ class StorageTracker(TorchDispatchMode):
             return
         for t, key in zip(inputs, out_keys, strict=True):
             if isinstance(t, torch.Tensor):
-                self.records[key].owner = self._owner_of(t)
+                self.records[key].owner = self.owner_of(t)
 
     def _record_growth(self, args: tuple, out_key: int) -> None:
         lists = [a for a in args if isinstance(a, (list, tuple))
                  and a and all(isinstance(t, torch.Tensor) for t in a)]
         if lists:
-            self.records[out_key].grows = [(self._owner_of(t), t.nbytes) for t in lists[0]]
+            self.records[out_key].grows = [(self.owner_of(t), t.nbytes) for t in lists[0]]
 
-    def _owner_of(self, t: torch.Tensor) -> int:
+    def owner_of(self, t: torch.Tensor) -> int:
         key = self._by_storage.get(id(t.untyped_storage()))
         return self.records[key].owner if key is not None else -1
 

@@ -152,15 +152,21 @@ def _tracked_model(model: Any, cfg: RunConfig, batches: list[dict | None], num_l
 
 
 def _cuda_kernels(emulation: Any) -> contextlib.ExitStack:
-    """CUDA autocast's fp32 ops, its on/off state as code asks it and CUDA's dropout
-    kernel, where CUDA is emulated."""
-    from .cuda_emulation import cuda_autocast_policies, cuda_autocast_state, cuda_dropout
+    """CUDA autocast's fp32 ops, its on/off state as code asks it, CUDA's dropout kernel
+    and foreach paths, where CUDA is emulated."""
+    from .cuda_emulation import (
+        cuda_autocast_policies,
+        cuda_autocast_state,
+        cuda_dropout,
+        cuda_foreach,
+    )
 
     cuda = contextlib.ExitStack()
     if emulation is not None:
         cuda.enter_context(cuda_autocast_policies())
         cuda.enter_context(cuda_autocast_state())
         cuda.enter_context(cuda_dropout())
+        cuda.enter_context(cuda_foreach())
     return cuda
 
 
