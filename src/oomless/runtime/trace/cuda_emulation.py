@@ -9,7 +9,8 @@ uses:
 
 - cuBLAS/cuBLASLt workspaces (aten/src/ATen/cuda/CublasHandlePool.cpp):
   one per (handle, stream), allocated by the caching allocator when the first
-  matmul takes its handle (after the op's output exists) and kept: ``CUBLAS_WORKSPACE_CONFIG`` default :4096:8 = 32 MiB on
+  matmul takes its handle (after the op's output exists) and kept:
+  ``CUBLAS_WORKSPACE_CONFIG`` default :4096:8 = 32 MiB on
   sm90, :4096:2:16:8 = 8 MiB + 128 KiB elsewhere; cuBLASLt 1 MiB
   (``CUBLASLT_WORKSPACE_SIZE`` default 1024 KiB). The autograd engine runs
   CUDA backward ops on its own device thread, which reserves its own handle,
@@ -95,14 +96,7 @@ class CudaEmulation:
         if name == "bitsandbytes::gemm_4bit":
             return self._bnb_gemm_4bit(tracker, args, kwargs)
         if name.startswith("aten::_foreach_norm") and args[0]:
-            tensors = args[0]
-            chunks = max(-(-t.numel() // FOREACH_CHUNK_ELEMENTS) for t in tensors)
-            opmath = 8 if tensors[0].dtype == torch.float64 else 4
-            key = tracker.phantom_alloc(opmath * len(tensors) * chunks,
-                                        "foreach_norm.output_per_tensor")
-            # a slot per tensor: a deeper model's layers add theirs (trace/expansion.py)
-            tracker.records[key].grows = [(tracker.owner_of(t), 1) for t in tensors]
-            return [key]
+            return self._foreach_norm(tracker, args[0])
         return []
 
     def after(self, tracker: Any, func: Any, args: tuple, kwargs: dict) -> list[int]:
@@ -112,8 +106,7 @@ class CudaEmulation:
             return []
         if func.name() == "aten::_softmax_backward_data":
             grad, output = args[0], args[1]
-            tmp_dtype = torch.result_type(grad, output)
-            size = grad.numel() * torch.empty((), dtype=tmp_dtype).element_size()
+            size = grad.numel() * torch.finfo(torch.result_type(grad, output)).bits // 8
             return [tracker.phantom_alloc(size, "softmax_bwd.grad_times_output")]
         staging, semaphores = reduction_buffers(func, args, kwargs)
         if staging:
@@ -130,6 +123,15 @@ class CudaEmulation:
 
         tracker.phantom_alloc(self.cublas_bytes, f"cublas_workspace[{thread}]", WORKSPACE)
         tracker.phantom_alloc(self.cublaslt_bytes, f"cublaslt_workspace[{thread}]", WORKSPACE)
+
+    def _foreach_norm(self, tracker: Any, tensors: list) -> list[int]:
+        chunks = max(-(-t.numel() // FOREACH_CHUNK_ELEMENTS) for t in tensors)
+        opmath = 8 if tensors[0].dtype == torch.float64 else 4
+        key = tracker.phantom_alloc(opmath * len(tensors) * chunks,
+                                    "foreach_norm.output_per_tensor")
+        # a slot per tensor: a deeper model's layers add theirs (trace/expansion.py)
+        tracker.records[key].grows = [(tracker.owner_of(t), 1) for t in tensors]
+        return [key]
 
     def _flash_backward(self, tracker: Any, args: tuple) -> list[int]:
         q, k = args[1], args[2]  # (grad_out, query, key, value, out, logsumexp, ...)

@@ -22,6 +22,7 @@ outputs.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 MAX_NUM_THREADS = 512  # mnt_wrapper<scalar_t>::MAX_NUM_THREADS (not complex double)
@@ -59,66 +60,65 @@ def _iter_dims(shape: tuple[int, ...], strides: tuple[int, ...],
     return out
 
 
+def _output_vec(it: list[tuple[int, int, bool]], n_reduce: int) -> int:
+    """get_output_vec_size: 4, halved until the first kept dimension and every other
+    stride divide by it (the data pointer taken as aligned)."""
+    vec = 4
+    while vec > 1 and (it[n_reduce][0] % vec
+                       or any(s % vec for k, (_, s, _) in enumerate(it) if k != n_reduce)):
+        vec //= 2
+    return vec
+
+
+def _block(dim0: int, dim1: int, out_vec: int) -> tuple[int, int]:
+    """ReduceConfig::set_block_dimension: (block width, block height)."""
+    max_threads = MAX_NUM_THREADS // out_vec
+    dim0_pow2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
+    dim1_pow2 = _last_pow2(dim1) if dim1 < max_threads else max_threads
+    width = min(dim0_pow2, WARP_SIZE)
+    height = min(dim1_pow2, max_threads // width)
+    return min(dim0_pow2, max_threads // height), height
+
+
 def staging_bytes(shape: tuple[int, ...], strides: tuple[int, ...], dims: list[int],
                   accumulator_bytes: int = 4) -> tuple[int, int]:
     """(global staging buffer, semaphores) bytes gpu_reduce_kernel allocates to reduce a
     tensor of ``shape``/``strides`` (elements) over ``dims``; (0, 0) without a global
     reduction."""
-    reduced = {d % len(shape) for d in dims} if shape else set()
-    it = _iter_dims(tuple(shape), tuple(strides), reduced)
-    numel = 1
-    for n in shape:
-        numel *= n
-    num_outputs = 1
-    for size, _, red in it:
-        if not red:
-            num_outputs *= size
+    it = _iter_dims(tuple(shape), tuple(strides), {d % len(shape) for d in dims} if shape
+                    else set())
+    numel = math.prod(shape)
+    num_outputs = math.prod(size for size, _, red in it if not red)
     if numel == 0 or not it:
         return 0, 0
     inputs = numel // num_outputs
     n_reduce = sum(1 for d in it if d[2])
     on_fastest = n_reduce == len(it) or it[0][1] < it[n_reduce][1]
     dim0, dim1 = (inputs, num_outputs) if on_fastest else (num_outputs, inputs)
-    fastest_stride = it[0][1] if on_fastest else it[n_reduce][1]
     out_vec = 1
-    if fastest_stride == 1:
+    if (it[0][1] if on_fastest else it[n_reduce][1]) == 1:  # the fastest stride: unit
         if on_fastest and dim0 > 128 and n_reduce == 1:
             dim0 //= VT0  # vectorize along the input
         elif not on_fastest:
-            out_vec = 4  # get_output_vec_size: an aligned, divisible output dimension
-            while out_vec > 1 and (it[n_reduce][0] % out_vec
-                                   or any(s % out_vec for k, (_, s, _) in enumerate(it)
-                                          if k != n_reduce)):
-                out_vec //= 2
+            out_vec = _output_vec(it, n_reduce)
             dim0 //= out_vec
-    max_threads = MAX_NUM_THREADS // out_vec  # set_block_dimension
-    dim0_pow2 = _last_pow2(dim0) if dim0 < max_threads else max_threads
-    dim1_pow2 = _last_pow2(dim1) if dim1 < max_threads else max_threads
-    width = min(dim0_pow2, WARP_SIZE)
-    height = min(dim1_pow2, max_threads // width)
-    width = min(dim0_pow2, max_threads // height)
-    step_input, step_output = 1, 1
-    if on_fastest:
-        step_input *= width  # input_mult[0]: block_x_reduce
-    else:
-        step_output *= width
-    split_inputs_across_warps = (_div_up(inputs, step_input) >= height * 16
-                                 or _div_up(inputs, step_input) >= MAX_VALUES_PER_THREAD)
-    if split_inputs_across_warps:
+    width, height = _block(dim0, dim1, out_vec)
+    # input_mult[0] (block_x_reduce) or output_mult[0]
+    step_input, step_output = (width, 1) if on_fastest else (1, width)
+    across_warps = _div_up(inputs, step_input) >= min(height * 16, MAX_VALUES_PER_THREAD)
+    if across_warps:
         step_input *= height
     else:
         step_output *= height
     values = _div_up(inputs, step_input)
-    if not (split_inputs_across_warps and values >= MAX_VALUES_PER_THREAD):
+    if not (across_warps and values >= MAX_VALUES_PER_THREAD):
         return 0, 0
-    ctas = max(_div_up(values, MIN_VALUES_PER_THREAD), _div_up(values, MAX_VALUES_PER_THREAD))
-    if ctas <= 1:
-        return 0, 0
-    grid_x = _div_up(num_outputs // out_vec, step_output)
+    # min(resident blocks / grid, values / 16), the first taken as unbounded (see above)
+    ctas = _div_up(values, MIN_VALUES_PER_THREAD)
     size = accumulator_bytes * num_outputs * ctas
     if not on_fastest:  # no block_x_reduce: a slot per thread of the block's width
         size *= width * out_vec
-    return size, 4 * grid_x
+    return size, 4 * _div_up(num_outputs // out_vec, step_output)
 
 
 def reduction_buffers(func: Any, args: tuple, kwargs: dict) -> tuple[int, int]:
